@@ -1,0 +1,37 @@
+"""Test setup: fresh random inputs each run (the seed is printed so a failure can be replayed with
+KIMI_TEST_SEED=N), hypothesis without deadlines, a `gpu` marker that skips cleanly without CUDA, and a fresh
+Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: COMPILE.md B.3)."""
+
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+from hypothesis import settings
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="kimi-inductor-"))
+settings.register_profile("default", deadline=None, print_blob=True)
+settings.load_profile("default")
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (runs on the H200 through the device tool)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    seed = int(os.environ.get("KIMI_TEST_SEED", random.randrange(2**31)))
+    torch.manual_seed(seed)
+    print(f"torch seed {seed} (replay with KIMI_TEST_SEED={seed})")
+    yield
