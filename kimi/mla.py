@@ -1,0 +1,117 @@
+"""Gated MLA with DSA sparse attention (MODEL.md §4, DSA.md §2 and §4).
+
+    q      = q_b_proj(q_a_layernorm(q_a_proj(x)))            [B, T, H, d_n + d_r]   (nope first)
+    c, k_r = split(kv_a_proj_with_mqa(x));  c = kv_a_layernorm(c)     [B, S, R], [B, S, d_r]
+    k_nope, v = split(kv_b_proj(c))                           [B, S, H, d_n], [B, S, H, d_v]
+    k      = [k_nope ; k_r broadcast over heads]              no rotary anywhere (NoPE)
+    o      = softmax(σ q kᵀ over Sel(t)) v,  σ = (d_n + d_r)^-1/2
+    y      = o_proj(o ⊙ sigmoid(g_proj(x)))
+
+Sel(t) is every visible key (K3, or K3.1 rows with <= index_topk candidates) or the indexer's top-k. The
+references here build a dense boolean keep-mask [B, T, S] and re-apply causality and document bounds to it, so
+a selection can never leak a future key (DSA.md §4.5). Two algebraically equal forms:
+- expanded: per-head K/V through kv_b_proj (what dense attention runs);
+- absorbed: W_UK folded into q and W_UV applied after attention over the shared 576-wide latent [c ; k_r]
+  (what sparse kernels run, DSA.md §4.2). Same σ.
+Rows with no visible key (padding queries) give exactly 0 and zero gradient, never NaN (§4.6).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import indexer, ops
+from .common import compute_dtype, linear, rms_norm
+
+
+def keep_mask(seg: Tensor, topk_idx: Tensor | None) -> Tensor:
+    """Boolean [B, T, S]: visible keys, intersected with the selection when one is given."""
+    visible = indexer.visible_keys(seg)
+    if topk_idx is None:
+        return visible
+    S = seg.shape[1]
+    # Scatter valid positions into S+1 columns with -1 sent to the spare last column: duplicates of the
+    # sentinel never overwrite a real selection.
+    cols = torch.where(topk_idx >= 0, topk_idx, S).long()
+    sel = torch.zeros(*topk_idx.shape[:2], S + 1, dtype=torch.bool, device=seg.device)
+    sel = sel.scatter(-1, cols, True)[..., :S]
+    return sel & visible
+
+
+def _attend_eager(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """q [B, H, T, E], k [B, Hk, S, E], v [B, Hk, S, F] (Hk = H or 1), keep [B, T, S] -> [B, H, T, F].
+    Scores in the activation dtype (as Automodel's eager path), softmax in fp32."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = s.to(compute_dtype(s.dtype))
+    has_key = keep.any(-1)[:, None, :, None]                                    # [B, 1, T, 1]
+    # Masked entries get -inf; an all-masked row is replaced by zeros before the softmax (finite
+    # gradients) and its probabilities are zeroed after.
+    s = s.masked_fill(~keep[:, None], float("-inf")).masked_fill(~has_key, 0.0)
+    p = torch.softmax(s, dim=-1) * has_key
+    return torch.matmul(p.to(v.dtype), v)
+
+
+def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
+    has_key = keep.any(-1)                                                      # [B, T]
+    # Rows with no key attend to everything (a valid softmax) and are zeroed after: SDPA kernels return NaN
+    # for fully masked rows.
+    mask = (keep | ~has_key[..., None])[:, None]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return o * has_key[:, None, :, None].to(o.dtype)
+
+
+def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, topk_idx: Tensor | None, *,
+               cfg, attn: str, form: str) -> Tensor:
+    """Attention over the selected keys (all visible keys when topk_idx is None).
+
+    Args:
+        q: [B, T, H, d_n + d_r] queries (nope part first).
+        c: [B, S, R] normalized latent (after kv_a_layernorm); k_pe: [B, S, d_r] shared key slice.
+        kv_b: kv_b_proj weight [H·(d_n + d_v), R] (a LoRA effective weight works the same).
+        seg: document run ids [B, T] (-1 padding); topk_idx: int32 [B, T, k] selected keys, -1 padded.
+        attn: 'eager' | 'sdpa'; form: 'expanded' | 'absorbed'.
+    Returns: o [B, T, H, d_v] in q's dtype.
+    """
+    B, T, H, _ = q.shape
+    dn, dv, R = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    attend = {"eager": _attend_eager, "sdpa": _attend_sdpa}[attn]
+    keep = keep_mask(seg, topk_idx)
+    W = kv_b.view(H, dn + dv, R)
+    q_nope, q_pe = q.split([dn, cfg.qk_rope_head_dim], dim=-1)
+    if form == "expanded":
+        kv = torch.einsum("bsr,hdr->bhsd", c, W)                                # [B, H, S, d_n + d_v]
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(-1, H, -1, -1)], dim=-1)
+        o = attend(q.transpose(1, 2), k, v, keep, cfg.softmax_scale)           # [B, H, T, d_v]
+        return o.transpose(1, 2)
+    q_lat = torch.einsum("bthd,hdr->bhtr", q_nope, W[:, :dn])                  # W_UK folded into q
+    Q = torch.cat([q_lat, q_pe.transpose(1, 2)], dim=-1)                       # [B, H, T, R + d_r]
+    KV = torch.cat([c, k_pe], dim=-1)[:, None]                                 # [B, 1, S, R + d_r]
+    o_lat = attend(Q, KV, c[:, None], keep, cfg.softmax_scale)                 # [B, H, T, R]
+    return torch.einsum("bhtr,hdr->bthd", o_lat, W[:, dn:])                    # W_UV after attention
+
+
+def gated_mla(p: dict, x: Tensor, cfg, backend, *, seg: Tensor) -> Tensor:
+    """One gated-MLA layer (with its indexer when `cfg.has_indexer`). x [B, T, D] normalized -> [B, T, D].
+
+    Args:
+        p: the layer's `self_attn` subtree. seg: document run ids [B, T], -1 for padding (see indexer.py).
+    """
+    B, T, _ = x.shape
+    H = cfg.num_attention_heads
+    if cfg.q_lora_rank is None:
+        q_resid, q = None, linear(x, p["q_proj"])
+    else:
+        q_resid = rms_norm(linear(x, p["q_a_proj"]), p["q_a_layernorm"], eps=1e-6)  # 1e-6: MODEL.md §2
+        q = linear(q_resid, p["q_b_proj"])
+    q = q.view(B, T, H, cfg.qk_head_dim)
+    c, k_pe = linear(x, p["kv_a_proj_with_mqa"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    c = rms_norm(c, p["kv_a_layernorm"], eps=1e-6)
+    topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, backend, seg) if cfg.has_indexer else None
+    o = ops.sparse_mla(q, c, k_pe, p["kv_b_proj"]["weight"], seg, topk_idx, cfg=cfg, backend=backend)
+    o = o.reshape(B, T, H * cfg.v_head_dim)
+    if cfg.mla_use_output_gate:
+        o = o * torch.sigmoid(linear(x, p["g_proj"]))
+    return linear(o, p["o_proj"])
