@@ -1,0 +1,117 @@
+"""The model: embedding -> 93 decoder layers joined by Attention Residuals -> output mix, norm, head.
+
+Attention Residuals (MODEL.md §3.3). Layers are grouped in blocks of `attn_res_block_size`. The state between
+layers is the current block's partial sum P (also the layer input h) and the list R of closed entries: R[0] is
+the embedding, R[n] the summed sublayer outputs of block n-1. A sublayer does not read P directly but a
+per-token softmax mix of R and P:
+
+    Mix(P, R) = Σ_i α_i V_i,   V = [R..., P],   α = softmax_i( <RMSNorm_noweight(V_i), w_norm ⊙ w_proj> )
+
+in fp32, cast back. Layer l: a_in = Mix(P, R) (just P at layer 0); at a block start P joins R and a new partial
+sum starts; P += attn(input_layernorm(a_in)); m_in = Mix(P, R); P += ffn(post_attention_layernorm(m_in)).
+After the last layer the output mix over R and P feeds the final norm and the head.
+With `attn_res_block_size = None` the layers use the plain pre-norm residual (§3.2).
+
+Documents: `document_ids` [B, T] marks packed documents; a new document starts wherever the id changes, and
+negative ids mark padding. Attention is document-causal and the KDA state and short conv restart at every
+document start.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import kda, mla, moe
+from .common import compute_dtype, rms_norm
+from .config import Backend, ModelConfig
+
+
+def attn_res_mix(P: Tensor, R: list[Tensor], p_norm: dict, p_proj: dict, eps: float) -> Tensor:
+    """Mix(P, R) of MODEL.md §3.3: P [B, T, D] and entries R (each [B, T, D]) -> [B, T, D] in P's dtype.
+    The norm weight enters only the pseudo-query; the mixed values are the raw entries."""
+    V = torch.stack([*R, P], dim=-2)                                         # [B, T, n+1, D]
+    ct = compute_dtype(V.dtype)
+    Vf = V.to(ct)
+    keys = Vf * torch.rsqrt(Vf.pow(2).mean(-1, keepdim=True) + eps)
+    query = p_norm["weight"].to(ct) * p_proj["weight"][0].to(ct)             # [D]
+    alpha = torch.softmax((keys * query).sum(-1), dim=-1)                   # [B, T, n+1]; no 1/sqrt(D)
+    return (alpha[..., None] * Vf).sum(-2).to(P.dtype)
+
+
+def document_runs(document_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(seg, reset): seg [B, T] numbers each row's documents 0, 1, ... in order of appearance (a new one
+    wherever the id changes), -1 on padding (negative ids); reset [B, T] bool is True where a document starts
+    after position 0 (the KDA state and conv restart there)."""
+    reset = torch.zeros_like(document_ids, dtype=torch.bool)
+    reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    seg = reset.long().cumsum(dim=1)
+    return torch.where(document_ids < 0, -1, seg), reset
+
+
+def decoder_layer(p: dict, h: Tensor, R: list[Tensor], i: int, cfg: ModelConfig, backend: Backend, *,
+                  seg: Tensor, reset: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Layer i. h [B, T, D] is the layer input (the current block's partial sum); R the closed entries.
+    Returns (h', R')."""
+    eps = cfg.rms_norm_eps
+
+    def attn(a_in):
+        a = rms_norm(a_in, p["input_layernorm"], eps)
+        if cfg.layer_types[i] == "kda":
+            return kda.kda_layer(p["self_attn"], a, cfg, backend, reset=reset)
+        return mla.gated_mla(p["self_attn"], a, cfg, backend, seg=seg)
+
+    def ffn(m_in):
+        m = rms_norm(m_in, p["post_attention_layernorm"], eps)
+        if cfg.is_moe_layer(i):
+            return moe.latent_moe(p["block_sparse_moe"], m, cfg, backend)
+        return moe.mlp(p["mlp"], m, cfg)
+
+    if cfg.attn_res_block_size is None:
+        h = h + attn(h)
+        return h + ffn(h), R
+    P = h
+    a_in = attn_res_mix(P, R, p["self_attention_res_norm"], p["self_attention_res_proj"], eps) if R else P
+    if i % cfg.attn_res_block_size == 0:
+        R, P = [*R, P], None                   # close the block: its sum becomes a frozen entry
+    a_out = attn(a_in)
+    P = a_out if P is None else P + a_out
+    m_in = attn_res_mix(P, R, p["mlp_res_norm"], p["mlp_res_proj"], eps)
+    return P + ffn(m_in), R
+
+
+def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
+            document_ids: Tensor | None = None) -> Tensor:
+    """Logits [B, T, V] (in the parameters' dtype) for input_ids [B, T] (int).
+
+    Args:
+        params: the tree from `init_params` / `load_checkpoint`.
+        backend: implementations to run (default `Backend()`).
+        document_ids: [B, T] int; packed documents are runs of equal ids, negative ids are padding.
+            Default: one document per row.
+    """
+    backend = backend or Backend()
+    cfg = config
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"input_ids must be an int32/int64 tensor [B, T], got {input_ids.dtype} "
+                         f"{list(input_ids.shape)}")
+    if document_ids is None:
+        document_ids = torch.zeros_like(input_ids)
+    elif document_ids.shape != input_ids.shape or document_ids.dtype.is_floating_point:
+        raise ValueError(f"document_ids must be an integer tensor shaped like input_ids {list(input_ids.shape)}, "
+                         f"got {document_ids.dtype} {list(document_ids.shape)}")
+    if not torch.compiler.is_compiling() and input_ids.numel() and (
+            int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+        raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    seg, reset = document_runs(document_ids)
+    m = params["model"]
+    h = torch.nn.functional.embedding(input_ids, m["embed_tokens"]["weight"])
+    R: list[Tensor] = []
+    for i, p in enumerate(m["layers"]):
+        h, R = decoder_layer(p, h, R, i, cfg, backend, seg=seg, reset=reset)
+    if cfg.attn_res_block_size is not None:
+        h = attn_res_mix(h, R, m["output_attn_res_norm"], m["output_attn_res_proj"], cfg.rms_norm_eps)
+    h = rms_norm(h, m["norm"], cfg.rms_norm_eps)
+    head = m["embed_tokens"]["weight"] if cfg.tie_word_embeddings else params["lm_head"]["weight"]
+    return torch.nn.functional.linear(h, head)
