@@ -11,6 +11,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def compile_region(fn):
+    """Where a layer function would be marked `torch.compiler.nested_compile_region` (compiled once, stamped
+    out for every layer; COMPILE.md B.5). Not applied: on torch 2.11 with CUDA, Inductor plus nested regions gave
+    wrong gradients for the reused KDA/MLA layers (relative error ~0.9 against eager; forward correct; aot_eager
+    with regions and Inductor without regions both exact; tests/bench/gpu_grad_check.py reproduces it).
+    Correct gradients are worth the longer compile."""
+    return fn
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 tensors, fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)

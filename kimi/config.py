@@ -260,10 +260,13 @@ class Backend:
     'grouped' (tokens sorted by expert, F.grouped_mm; float32/bfloat16 only)."""
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            allowed = get_args(f.type if not isinstance(f.type, str) else globals()[f.type])
-            if getattr(self, f.name) not in allowed:
-                raise ValueError(f"Backend.{f.name}={getattr(self, f.name)!r}: expected one of {allowed}")
+        for name, allowed in _BACKEND_CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Backend.{name}={getattr(self, name)!r}: expected one of {allowed}")
+
+
+_BACKEND_CHOICES = {"attn": get_args(AttnBackend), "mla_form": get_args(MLAForm), "kda": get_args(KDABackend),
+                    "moe": get_args(MoEBackend)}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -349,6 +352,17 @@ PRESETS: dict[str, tuple[str, ModelConfig]] = {
                          pad_token_id=0, index_n_heads=4, index_head_dim=32, index_topk=16, dtype="float32",
                          linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=_TINY_KDA,
                                                       full_attn_layers=_TINY_FULL))),
+    "medium": ("Real K3 head and expert widths at ~1.2B parameters for benchmarks: hidden 2048, 8 layers "
+               "(2 x [3 KDA + 1 MLA]), 16 KDA heads x 128, 16 MLA heads (128/64/128), 32 experts top-4, "
+               "indexer 16 x 128 top-512",
+               ModelConfig(vocab_size=32768, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16,
+                           num_key_value_heads=16, intermediate_size=8192, q_lora_rank=768, kv_lora_rank=512,
+                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=32,
+                           num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=1024,
+                           routed_expert_hidden_size=1024, attn_res_block_size=4, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0, index_n_heads=16, index_head_dim=128, index_topk=512,
+                           linear_attn_config=KDAConfig(num_heads=16, head_dim=128, kda_layers=_TINY_KDA,
+                                                        full_attn_layers=_TINY_FULL))),
 }
 
 

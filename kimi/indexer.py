@@ -55,8 +55,9 @@ def _rope_half(x: Tensor, pos: Tensor, dim: int, theta: float) -> Tensor:
     return torch.cat([rot, x[..., dim:]], dim=-1)
 
 
-def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> Tensor:
-    """Index scores I [B, T, S=T] in fp32 (fp64 for fp64 models). Masked entries are not yet applied.
+def indexer_inputs(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The indexer's projections: (q [B, T, n, d], k [B, S, d], w [B, T, n]). q and k in the activation dtype
+    (BF16 projections), w in fp32 with both positive scales n^-1/2 · d^-1/2 folded in.
 
     Args:
         p: the layer's `self_attn.indexer` subtree (wq_b, wk, k_norm, weights_proj).
@@ -65,15 +66,30 @@ def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> Ten
     B, T, _ = x.shape
     n, d = cfg.index_n_heads, cfg.index_head_dim
     q = linear(q_resid, p["wq_b"]).view(B, T, n, d)
-    k = layer_norm(linear(x, p["wk"]), p["k_norm"], eps=1e-6)      # [B, S, d]
+    k = layer_norm(linear(x, p["wk"]), p["k_norm"], eps=1e-6)
     if cfg.index_rope_dim:
         pos = positions_in_document(seg)
         q = _rope_half(q, pos, cfg.index_rope_dim, cfg.rope_theta)
         k = _rope_half(k, pos, cfg.index_rope_dim, cfg.rope_theta)
-    ct = compute_dtype(x.dtype)
-    w = linear(x, p["weights_proj"]).to(ct) * (n ** -0.5 * d ** -0.5)   # [B, T, n]
-    logits = torch.einsum("btnd,bsd->btns", q.to(ct), k.to(ct))        # fp32 accumulation of bf16 projections
-    return torch.einsum("btns,btn->bts", logits.relu(), w)
+    w = linear(x, p["weights_proj"]).to(compute_dtype(x.dtype)) * (n ** -0.5 * d ** -0.5)
+    return q, k, w
+
+
+def scores(q: Tensor, k: Tensor, w: Tensor) -> Tensor:
+    """I[b, t, s] = Σ_j w[b, t, j] · ReLU(<q[b, t, j], k[b, s]>), accumulated in fp32 (fp64 for fp64)."""
+    ct = compute_dtype(w.dtype)
+    logits = torch.einsum("btnd,bsd->btns", q.to(ct), k.to(ct))
+    return torch.einsum("btns,btn->bts", logits.relu(), w.to(ct))
+
+
+def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> Tensor:
+    """Index scores [B, T, S=T] of one layer (before masking)."""
+    return scores(*indexer_inputs(p, x, q_resid, cfg, seg))
+
+
+def indexer_topk(q: Tensor, k: Tensor, w: Tensor, seg: Tensor, topk: int) -> Tensor:
+    """Scores, the document-causal candidate mask and the top-k: int32 [B, T, topk] (the `kimi::indexer_topk` op)."""
+    return topk_reference(scores(q, k, w), visible_keys(seg), topk)
 
 
 def topk_reference(scores: Tensor, valid: Tensor, topk: int) -> Tensor:
@@ -99,5 +115,5 @@ def topk_reference(scores: Tensor, valid: Tensor, topk: int) -> Tensor:
 def select_keys(p: dict, x: Tensor, q_resid: Tensor, cfg, backend, seg: Tensor) -> Tensor:
     """The indexer of one gated-MLA layer: int32 [B, T, index_topk] selected key positions (-1 padded)."""
     with torch.no_grad():
-        scores = indexer_scores(p, x.detach(), q_resid.detach(), cfg, seg)
-        return ops.indexer_topk(scores, visible_keys(seg), cfg.index_topk, backend)
+        q, k, w = indexer_inputs(p, x.detach(), q_resid.detach(), cfg, seg)
+        return ops.indexer_topk(q, k, w, seg, cfg.index_topk, backend)

@@ -37,9 +37,28 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops
-from .common import compute_dtype, linear
+from .common import compile_region, compute_dtype, linear
 
 SUB_CHUNK = 16  # BC: rows of one pairwise (diagonal) block, KDA.md §8.2
+
+
+def _scan(step, state: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """state, ys = fold of `step(state, x) -> (state, y)` over dim 0 of xs; ys stacked on dim 0.
+
+    Eager: a Python loop. Under torch.compile: the `scan` higher-order op, so the loop is one graph node whose
+    length may be symbolic (no unrolling, no recompile per sequence length). The eager `scan` would re-trace
+    for every new length, hence the split; both run the same `step`.
+    """
+    if torch.compiler.is_compiling():
+        from torch._higher_order_ops.scan import scan
+        return scan(step, state, xs)
+    ys = []
+    for i in range(xs[0].shape[0]):
+        state, y = step(state, tuple(x[i] for x in xs))
+        ys.append(y)
+    if not ys:
+        raise ValueError("KDA needs at least one token")
+    return state, torch.stack(ys)
 
 
 # ---------------------------------------------------------------------------------------------- gate, conv, norms
@@ -114,20 +133,30 @@ def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, s
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt, out_dt = compute_dtype(q.dtype), v.dtype
-    q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
-    keep = None if reset is None else (~reset).to(dt)
-    outs = []
-    for t in range(T):
-        if keep is not None:
-            S = S * keep[:, t, None, None, None]
-        S = g[:, t].exp()[..., None] * S
-        kt = k[:, t]
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kt))
-        S = S + kt[..., None] * u[..., None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, scale * q[:, t]))
-    o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, V, dtype=dt)
-    return o.to(out_dt), S
+    S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+    keep = torch.ones(B, T, dtype=dt, device=q.device) if reset is None else (~reset).to(dt)
+
+    def step(S, x):
+        qt, kt, vt, gt, bt, kp = x
+        o, S = kda_step(qt, kt, vt, gt, bt, scale=scale, state=S * kp[:, None, None, None])
+        return S, o
+
+    xs = tuple(t.to(dt).transpose(0, 1).contiguous() for t in (q, k, v, g, beta, keep))   # time first
+    S, o = _scan(step, S, xs)
+    return o.transpose(0, 1).to(out_dt), S
+
+
+def kda_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float,
+             state: Tensor) -> tuple[Tensor, Tensor]:
+    """One token of the recurrence (KDA.md §10), the decode update. q, k, g [B, H, K], v [B, H, V], beta [B, H],
+    state [B, H, K, V]. Returns (o [B, H, V], new state), both in compute_dtype(q.dtype); the state is not
+    modified in place."""
+    dt = compute_dtype(q.dtype)
+    q, k, v, g, beta, S = (t.to(dt) for t in (q, k, v, g, beta, state))
+    S = g.exp()[..., None] * S                                             # decay key channels
+    u = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", S, k))        # delta-rule correction
+    S = S + k[..., None] * u[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", S, scale * q), S
 
 
 # ---------------------------------------------------------------------------------------------- chunkwise form
@@ -252,18 +281,21 @@ def kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
     decay_s0 = torch.where(carry[..., None], gam[..., -1, :], float("-inf")).exp()  # [B, H, N, K]
 
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
-    outs = []
-    for n in range(N):  # the sequential hand-off
-        U = u[:, :, n] - w[:, :, n] @ S
-        outs.append(q_s0[:, :, n] @ S + Aqk[:, :, n] @ U)
-        S = decay_s0[:, :, n, :, None] * S + k_out[:, :, n].transpose(-1, -2) @ U
-    o = torch.stack(outs, 2).reshape(B, H, N * C, V) if outs else v.new_zeros(B, H, 0, V)
-    o = o[:, :, :T].transpose(1, 2)
+
+    def handoff(S, x):  # the only sequential part: chunk n's output and outgoing state
+        u_n, w_n, q_n, A_n, k_n, d_n = x
+        U = u_n - w_n @ S
+        return d_n[..., None] * S + k_n.transpose(-1, -2) @ U, q_n @ S + A_n @ U
+
+    xs = tuple(t.movedim(2, 0).contiguous() for t in (u, w, q_s0, Aqk, k_out, decay_s0))   # chunks first
+    S, o = _scan(handoff, S, xs)                                               # o [N, B, H, C, V]
+    o = o.movedim(0, 2).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
     return o.to(out_dt), S
 
 
 # ---------------------------------------------------------------------------------------------- the layer
 
+@compile_region
 def kda_layer(p: dict, x: Tensor, cfg, backend, *, reset: Tensor | None = None) -> Tensor:
     """One KDA mixer (KDA.md §3, MODEL.md §5.2). x [B, T, D] is the layer's normalized input; -> [B, T, D] in
     x.dtype. p is the layer's `self_attn` subtree (checkpoint names, kimi/params.py). reset [B, T] bool marks

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import indexer, ops
-from .common import compute_dtype, linear, rms_norm
+from .common import compile_region, compute_dtype, linear, rms_norm
 
 
 def keep_mask(seg: Tensor, topk_idx: Tensor | None) -> Tensor:
@@ -40,8 +40,8 @@ def keep_mask(seg: Tensor, topk_idx: Tensor | None) -> Tensor:
     return sel & visible
 
 
-def _attend_eager(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
-    """q [B, H, T, E], k [B, Hk, S, E], v [B, Hk, S, F] (Hk = H or 1), keep [B, T, S] -> [B, H, T, F].
+def _attend_eager(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float, shared_kv: bool) -> Tensor:
+    """q [B, H, T, E], k [B, Hk, S, E], v [B, Hk, S, F] (Hk = 1 if shared_kv else H), keep [B, T, S] -> [B, H, T, F].
     Scores in the activation dtype (as Automodel's eager path), softmax in fp32."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     s = s.to(compute_dtype(s.dtype))
@@ -53,17 +53,17 @@ def _attend_eager(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -
     return torch.matmul(p.to(v.dtype), v)
 
 
-def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
+def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float, shared_kv: bool) -> Tensor:
     has_key = keep.any(-1)                                                      # [B, T]
     # Rows with no key attend to everything (a valid softmax) and are zeroed after: SDPA kernels return NaN
     # for fully masked rows.
     mask = (keep | ~has_key[..., None])[:, None]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=shared_kv)
     return o * has_key[:, None, :, None].to(o.dtype)
 
 
 def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, topk_idx: Tensor | None, *,
-               cfg, attn: str, form: str) -> Tensor:
+               scale: float, attn: str, absorbed: bool) -> Tensor:
     """Attention over the selected keys (all visible keys when topk_idx is None).
 
     Args:
@@ -71,28 +71,30 @@ def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, to
         c: [B, S, R] normalized latent (after kv_a_layernorm); k_pe: [B, S, d_r] shared key slice.
         kv_b: kv_b_proj weight [H·(d_n + d_v), R] (a LoRA effective weight works the same).
         seg: document run ids [B, T] (-1 padding); topk_idx: int32 [B, T, k] selected keys, -1 padded.
-        attn: 'eager' | 'sdpa'; form: 'expanded' | 'absorbed'.
+        scale: softmax scale (d_n + d_r)^-1/2 in both forms. attn: 'eager' | 'sdpa'; absorbed: the latent form.
     Returns: o [B, T, H, d_v] in q's dtype.
     """
-    B, T, H, _ = q.shape
-    dn, dv, R = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    B, T, H, dqk = q.shape
+    R, dr = c.shape[-1], k_pe.shape[-1]
+    dn = dqk - dr
+    dv = kv_b.shape[0] // H - dn
     attend = {"eager": _attend_eager, "sdpa": _attend_sdpa}[attn]
     keep = keep_mask(seg, topk_idx)
     W = kv_b.view(H, dn + dv, R)
-    q_nope, q_pe = q.split([dn, cfg.qk_rope_head_dim], dim=-1)
-    if form == "expanded":
+    q_nope, q_pe = q.split([dn, dr], dim=-1)
+    if not absorbed:
         kv = torch.einsum("bsr,hdr->bhsd", c, W)                                # [B, H, S, d_n + d_v]
         k_nope, v = kv.split([dn, dv], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, H, -1, -1)], dim=-1)
-        o = attend(q.transpose(1, 2), k, v, keep, cfg.softmax_scale)           # [B, H, T, d_v]
-        return o.transpose(1, 2)
+        return attend(q.transpose(1, 2), k, v, keep, scale, False).transpose(1, 2)    # [B, T, H, d_v]
     q_lat = torch.einsum("bthd,hdr->bhtr", q_nope, W[:, :dn])                  # W_UK folded into q
     Q = torch.cat([q_lat, q_pe.transpose(1, 2)], dim=-1)                       # [B, H, T, R + d_r]
     KV = torch.cat([c, k_pe], dim=-1)[:, None]                                 # [B, 1, S, R + d_r]
-    o_lat = attend(Q, KV, c[:, None], keep, cfg.softmax_scale)                 # [B, H, T, R]
+    o_lat = attend(Q, KV, c[:, None], keep, scale, True)                           # [B, H, T, R]
     return torch.einsum("bhtr,hdr->bthd", o_lat, W[:, dn:])                    # W_UV after attention
 
 
+@compile_region
 def gated_mla(p: dict, x: Tensor, cfg, backend, *, seg: Tensor) -> Tensor:
     """One gated-MLA layer (with its indexer when `cfg.has_indexer`). x [B, T, D] normalized -> [B, T, D].
 
@@ -110,7 +112,8 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, seg: Tensor) -> Tensor:
     c, k_pe = linear(x, p["kv_a_proj_with_mqa"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
     c = rms_norm(c, p["kv_a_layernorm"], eps=1e-6)
     topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, backend, seg) if cfg.has_indexer else None
-    o = ops.sparse_mla(q, c, k_pe, p["kv_b_proj"]["weight"], seg, topk_idx, cfg=cfg, backend=backend)
+    o = ops.sparse_mla(q, c, k_pe, p["kv_b_proj"]["weight"], seg, topk_idx, scale=cfg.softmax_scale,
+                       backend=backend)
     o = o.reshape(B, T, H * cfg.v_head_dim)
     if cfg.mla_use_output_gate:
         o = o * torch.sigmoid(linear(x, p["g_proj"]))

@@ -27,6 +27,9 @@ from .common import compute_dtype, rms_norm
 from .config import Backend, ModelConfig
 
 
+DEFAULT_BACKEND = Backend()
+
+
 def attn_res_mix(P: Tensor, R: list[Tensor], p_norm: dict, p_proj: dict, eps: float) -> Tensor:
     """Mix(P, R) of MODEL.md §3.3: P [B, T, D] and entries R (each [B, T, D]) -> [B, T, D] in P's dtype.
     The norm weight enters only the pseudo-query; the mixed values are the raw entries."""
@@ -90,7 +93,7 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
         document_ids: [B, T] int; packed documents are runs of equal ids, negative ids are padding.
             Default: one document per row.
     """
-    backend = backend or Backend()
+    backend = backend or DEFAULT_BACKEND
     cfg = config
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"input_ids must be an int32/int64 tensor [B, T], got {input_ids.dtype} "

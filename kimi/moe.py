@@ -57,44 +57,46 @@ def route(p: dict, x: Tensor, cfg) -> tuple[Tensor, Tensor]:
     return idx, w * cfg.routed_scaling_factor
 
 
-def experts_dense(z: Tensor, idx: Tensor, weight: Tensor, experts: dict, *, cfg) -> Tensor:
+def experts_dense(z: Tensor, idx: Tensor, weight: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, *, beta: float,
+                  beta_lin: float | None) -> Tensor:
     """Reference: every expert on every token, combined with a [N, E] weight matrix that is 0 where an expert was
-    not chosen (adding exact zeros leaves the sum unchanged). Any dtype; cost E/k times the routed work."""
+    not chosen (adding exact zeros leaves the sum unchanged). Any dtype; cost E/k times the routed work.
+    z [N, Z], idx [N, k], weight [N, k] fp32, w1/w3 [E, m, Z], w2 [E, Z, m] -> [N, Z] in z's dtype."""
     ct = compute_dtype(z.dtype)
-    combine = torch.zeros(z.shape[0], cfg.num_experts, dtype=ct, device=z.device).scatter(1, idx, weight.to(ct))
-    h = torch.einsum("nz,emz->enm", z, experts["w1"])
-    u = torch.einsum("nz,emz->enm", z, experts["w3"])
-    y = torch.einsum("enm,ezm->enz", situ_glu(h, u, cfg.activation_situ_beta, cfg.activation_situ_linear_beta),
-                     experts["w2"])                                             # [E, N, Z], activation dtype
+    combine = torch.zeros(z.shape[0], w1.shape[0], dtype=ct, device=z.device).scatter(1, idx, weight.to(ct))
+    h = torch.einsum("nz,emz->enm", z, w1)
+    u = torch.einsum("nz,emz->enm", z, w3)
+    y = torch.einsum("enm,ezm->enz", situ_glu(h, u, beta, beta_lin), w2)        # [E, N, Z], activation dtype
     return torch.einsum("enz,ne->nz", y.to(ct), combine).to(z.dtype)
 
 
-def experts_grouped(z: Tensor, idx: Tensor, weight: Tensor, experts: dict, *, cfg) -> Tensor:
-    """Tokens sorted by expert and run through `F.grouped_mm` (static shapes: no host sync, no data-dependent
-    sizes). float32/bfloat16 only; expert dims must be multiples of 16 bytes."""
-    if z.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"Backend(moe='grouped') runs float32/bfloat16/float16, got {z.dtype}; "
+def experts_grouped(z: Tensor, idx: Tensor, weight: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, *, beta: float,
+                    beta_lin: float | None, mm=None) -> Tensor:
+    """Tokens sorted by expert, each group through its expert with one grouped matmul (static shapes: no host
+    sync, no data-dependent sizes). float32/bfloat16 only; expert dims must be multiples of 16 bytes.
+    `mm(x, w, offs)` is the grouped matmul (default `F.grouped_mm`; the model passes the `kimi::grouped_mm` op)."""
+    if z.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"Backend(moe='grouped') runs float32/bfloat16, got {z.dtype}; "
                          "use Backend(moe='dense') for float64")
-    m, Z = cfg.moe_intermediate_size, cfg.routed_expert_hidden_size
+    E, m, Z = w1.shape
     if (m * z.element_size()) % 16 or (Z * z.element_size()) % 16:
         raise ValueError(f"Backend(moe='grouped'): grouped_mm needs moe_intermediate_size ({m}) and "
                          f"routed_expert_hidden_size ({Z}) to be multiples of {16 // z.element_size()} in {z.dtype}; "
                          "use Backend(moe='dense')")
+    mm = mm or (lambda x, w, offs: F.grouped_mm(x, w, offs=offs))
     N, k = idx.shape
-    E = cfg.num_experts
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(E, dtype=torch.int32, device=z.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
     xs = z[order // k]                                                           # [N·k, Z] grouped by expert
-    h = F.grouped_mm(xs, experts["w1"].transpose(1, 2), offs=offs)
-    u = F.grouped_mm(xs, experts["w3"].transpose(1, 2), offs=offs)
-    a = situ_glu(h, u, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-    ys = F.grouped_mm(a, experts["w2"].transpose(1, 2), offs=offs)              # [N·k, Z]
+    a = situ_glu(mm(xs, w1.transpose(1, 2), offs), mm(xs, w3.transpose(1, 2), offs), beta, beta_lin)
+    ys = mm(a, w2.transpose(1, 2), offs)                                         # [N·k, Z]
     y = torch.empty_like(ys).index_copy(0, order, ys).view(N, k, Z)
     ct = compute_dtype(z.dtype)
     return (y.to(ct) * weight.to(ct)[..., None]).sum(1).to(z.dtype)
+
 
 
 def latent_moe(p: dict, x: Tensor, cfg, backend) -> Tensor:

@@ -1,51 +1,174 @@
-"""The backend dispatch points: the one place where implementations plug in.
+"""The op registry: every backend-dependent computation is a `kimi::` operator, and the one place backends plug in.
 
-Each backend-dependent computation is one function here that picks the implementation named by `Backend`.
-The lookup is plain Python on a frozen config, so under `torch.compile` it is resolved at trace time.
-Nothing falls back silently: a backend that cannot run the given inputs raises.
+Two kinds of registration, one helper each:
 
-| op             | backends                                   | defined by (the reference)         |
-|----------------|--------------------------------------------|------------------------------------|
-| `kda_core`     | recurrent, chunk                           | `kda.kda_recurrent`                |
-| `indexer_topk` | torch                                      | `indexer.indexer_topk_reference`   |
-| `sparse_mla`   | eager, sdpa  x  expanded, absorbed         | `mla.sparse_mla_eager` (expanded)  |
-| `moe_experts`  | dense, grouped                             | `moe.experts_dense`                |
+- `traceable(schema, fn)` for pure-PyTorch implementations (the references and the torch backends). The op is
+  registered as CompositeImplicitAutograd: torch.compile sees `torch.ops.kimi.<name>` by name, then traces
+  through `fn`, so Inductor fuses its arithmetic with the code around it and autograd differentiates it. No
+  fake kernel or backward is written by hand: both come from `fn` itself.
+- `opaque(name, fn, fake, backward)` for a library or hand-written kernel (`torch.library.custom_op`): one graph
+  node that Inductor does not look into, with a fake (meta) kernel giving exact output shapes, dtypes and
+  strides, and a registered backward. Outputs are made contiguous and fakes use `new_empty`, so real and fake
+  strides agree (COMPILE.md B.3). `grouped_mm` is the first; later Triton/cuDNN kernels follow the same form.
+
+| op (torch.ops.kimi.*)       | Backend field  | kind       | differentiable          |
+|-----------------------------|----------------|------------|-------------------------|
+| kda_recurrent, kda_chunk    | kda            | traceable  | yes                     |
+| kda_step (decode update)    | -              | traceable  | yes                     |
+| indexer_topk                | -              | traceable  | no (integer output)     |
+| sparse_mla_eager, _sdpa     | attn, mla_form | traceable  | yes                     |
+| moe_experts_dense, _grouped | moe            | traceable  | yes                     |
+| grouped_mm (+ _wgrad)       | (inside _grouped) | opaque  | yes (registered)        |
+
+The model calls the functions at the bottom (`kda_core`, `indexer_topk`, `sparse_mla`, `moe_experts`); each
+picks its op from the frozen `Backend` in plain Python, which torch.compile resolves at trace time. Nothing
+falls back silently: an implementation that cannot run the inputs raises.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import indexer, kda, mla, moe
 from .config import Backend
 
+_LIB = torch.library.Library("kimi", "DEF")   # kept alive for the life of the process: ops vanish with it
+
+
+def traceable(schema: str, fn: Callable):
+    """Register `fn` (positional arguments in schema order) as `kimi::<name>` with CompositeImplicitAutograd."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, fn, "CompositeImplicitAutograd")
+    return getattr(torch.ops.kimi, name).default
+
+
+# ---------------------------------------------------------------------------------------------- opaque: grouped_mm
+
+@torch.library.custom_op("kimi::grouped_mm", mutates_args=())
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """Row-grouped matmul: rows offs[e-1]:offs[e] of x [N, Kd] times w[e] [Kd, M] -> [N, M].
+    Wraps torch's grouped_mm kernel, whose compile-time meta function accepts only bfloat16 although the CPU
+    kernel runs float32 too; this op's fake kernel serves every dtype."""
+    return F.grouped_mm(x, w, offs=offs).contiguous()
+
+
+@grouped_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("kimi::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
+    """Per-group xᵀ·dy: [E, Kd, M] from x [N, Kd], dy [N, M] split by offs (grouped_mm's weight gradient)."""
+    return F.grouped_mm(x.t(), dy, offs=offs).contiguous()
+
+
+@grouped_mm_wgrad.register_fake
+def _(x, dy, offs):
+    return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
+
+
+def _wgrad_setup(ctx, inputs, output):
+    x, dy, offs = inputs
+    ctx.save_for_backward(x, dy, offs)
+
+
+def _wgrad_backward(ctx, gw):  # gw [E, Kd, M]: d/dx = dy·gwᵀ, d/ddy = x·gw, per group
+    x, dy, offs = ctx.saved_tensors
+    gw = gw.contiguous()
+    return grouped_mm(dy, gw.transpose(1, 2), offs), grouped_mm(x, gw, offs), None
+
+
+grouped_mm_wgrad.register_autograd(_wgrad_backward, setup_context=_wgrad_setup)
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _grouped_mm_backward(ctx, dy):
+    x, w, offs = ctx.saved_tensors
+    dy = dy.contiguous()
+    return grouped_mm(dy, w.transpose(1, 2), offs), grouped_mm_wgrad(x, dy, offs), None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+# ---------------------------------------------------------------------------------------------- traceable ops
+
+kda_recurrent = traceable(
+    "kda_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
+    "Tensor? reset) -> (Tensor, Tensor)",
+    lambda q, k, v, g, beta, scale, s0, reset: kda.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=s0,
+                                                                 reset=reset))
+kda_chunk = traceable(
+    "kda_chunk(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
+    "Tensor? reset, int chunk_size=64) -> (Tensor, Tensor)",
+    lambda q, k, v, g, beta, scale, s0, reset, chunk=64: kda.kda_chunk(q, k, v, g, beta, scale=scale, initial_state=s0,
+                                                                    reset=reset, chunk_size=chunk))
+kda_step = traceable(
+    "kda_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor state) -> (Tensor, Tensor)",
+    lambda q, k, v, g, beta, scale, state: kda.kda_step(q, k, v, g, beta, scale=scale, state=state))
+indexer_topk_op = traceable(
+    "indexer_topk(Tensor q, Tensor k, Tensor w, Tensor seg, int topk) -> Tensor", indexer.indexer_topk)
+sparse_mla_eager = traceable(
+    "sparse_mla_eager(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor seg, Tensor? topk_idx, float scale, "
+    "bool absorbed) -> Tensor",
+    lambda q, c, k_pe, kv_b, seg, idx, scale, absorbed: mla.sparse_mla(q, c, k_pe, kv_b, seg, idx, scale=scale,
+                                                                       attn="eager", absorbed=absorbed))
+sparse_mla_sdpa = traceable(
+    "sparse_mla_sdpa(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor seg, Tensor? topk_idx, float scale, "
+    "bool absorbed) -> Tensor",
+    lambda q, c, k_pe, kv_b, seg, idx, scale, absorbed: mla.sparse_mla(q, c, k_pe, kv_b, seg, idx, scale=scale,
+                                                                       attn="sdpa", absorbed=absorbed))
+moe_experts_dense = traceable(
+    "moe_experts_dense(Tensor z, Tensor idx, Tensor weight, Tensor w1, Tensor w2, Tensor w3, float beta, "
+    "float? beta_lin) -> Tensor",
+    lambda z, idx, w, w1, w2, w3, b, bl: moe.experts_dense(z, idx, w, w1, w2, w3, beta=b, beta_lin=bl))
+moe_experts_grouped = traceable(
+    "moe_experts_grouped(Tensor z, Tensor idx, Tensor weight, Tensor w1, Tensor w2, Tensor w3, float beta, "
+    "float? beta_lin) -> Tensor",
+    lambda z, idx, w, w1, w2, w3, b, bl: moe.experts_grouped(z, idx, w, w1, w2, w3, beta=b, beta_lin=bl,
+                                                             mm=grouped_mm))
+
+
+# ---------------------------------------------------------------------------------------------- dispatch points
 
 def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float, backend: Backend,
              initial_state: Tensor | None = None, reset: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The KDA delta-rule recurrence (KDA.md §7). q, k [B, T, H, K] (already L2-normalized), v [B, T, H, V],
     g [B, T, H, K] log-decay, beta [B, T, H], reset [B, T] bool (state zeroed before token t).
     Returns o [B, T, H, V] in v's dtype and the final state [B, H, K, V] (fp32, or fp64 for fp64 inputs)."""
-    fn = {"recurrent": kda.kda_recurrent, "chunk": kda.kda_chunk}[backend.kda]
-    return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, reset=reset)
+    if backend.kda == "recurrent":
+        return kda_recurrent(q, k, v, g, beta, scale, initial_state, reset)
+    return kda_chunk(q, k, v, g, beta, scale, initial_state, reset)
 
 
-def indexer_topk(scores: Tensor, valid: Tensor, topk: int, backend: Backend) -> Tensor:
-    """Top-k key positions per query from fp32 index scores [B, T, S] and a candidate mask [B, T, S].
-    Returns int32 [B, T, topk]: valid entries ascending, then -1 (DSA.md §3.5)."""
-    return indexer.topk_reference(scores, valid, topk)
+def indexer_topk(q: Tensor, k: Tensor, w: Tensor, seg: Tensor, topk: int, backend: Backend) -> Tensor:
+    """Indexer scores and top-k (DSA.md §3): q [B, T, n, d], k [B, S, d], w [B, T, n] (scales folded in),
+    seg [B, T] document run ids. Returns int32 [B, T, topk]: valid key positions ascending, then -1."""
+    return indexer_topk_op(q, k, w, seg, topk)
 
 
-def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, topk_idx: Tensor | None, *, cfg,
-               backend: Backend) -> Tensor:
+def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, topk_idx: Tensor | None, *,
+               scale: float, backend: Backend) -> Tensor:
     """Gated MLA's attention over the selected keys (DSA.md §4): q [B, T, H, d_qk], latent c [B, S, R],
     k_pe [B, S, d_r], kv_b_proj weight, document run ids seg [B, T], top-k [B, T, k] or None (all visible keys).
     Returns o [B, T, H, d_v]. See `mla.sparse_mla`."""
-    return mla.sparse_mla(q, c, k_pe, kv_b, seg, topk_idx, cfg=cfg, attn=backend.attn, form=backend.mla_form)
+    op = sparse_mla_eager if backend.attn == "eager" else sparse_mla_sdpa
+    return op(q, c, k_pe, kv_b, seg, topk_idx, scale, backend.mla_form == "absorbed")
 
 
 def moe_experts(z: Tensor, idx: Tensor, weight: Tensor, experts: dict, *, cfg, backend: Backend) -> Tensor:
     """Routed latent experts with post-down-projection weighting (MODEL.md §6.4). z [N, Z], idx [N, k] int64,
-    weight [N, k] fp32. Returns the weighted sum [N, Z] in z's dtype."""
-    fn = {"dense": moe.experts_dense, "grouped": moe.experts_grouped}[backend.moe]
-    return fn(z, idx, weight, experts, cfg=cfg)
+    weight [N, k] fp32, experts {w1, w3: [E, m, Z], w2: [E, Z, m]}. Returns the weighted sum [N, Z] in z's dtype."""
+    op = moe_experts_dense if backend.moe == "dense" else moe_experts_grouped
+    return op(z, idx, weight, experts["w1"], experts["w2"], experts["w3"], cfg.activation_situ_beta,
+              cfg.activation_situ_linear_beta)

@@ -48,7 +48,7 @@ def test_sparse_attention_matches_loop_oracle(attn, form):
     seg, _ = document_runs(doc)
     q, c, k_pe, kv_b = _inputs(cfg, 2, 14, torch.float64)
     idx = topk_reference(torch.randn(2, 14, 14, dtype=torch.float64), visible_keys(seg), 4)
-    out = sparse_mla(q, c, k_pe, kv_b, seg, idx, cfg=cfg, attn=attn, form=form)
+    out = sparse_mla(q, c, k_pe, kv_b, seg, idx, scale=cfg.softmax_scale, attn=attn, absorbed=form == "absorbed")
     ref = _oracle(q, c, k_pe, kv_b, keep_mask(seg, idx), cfg)
     assert rel_err(out, ref) < 1e-12
 
@@ -63,7 +63,7 @@ def test_absorbed_equals_expanded_with_gradients(dtype, tol):
     results = []
     for attn, form in FORMS:
         inputs = [t.clone().requires_grad_() for t in base]
-        out = sparse_mla(*inputs, seg, idx, cfg=cfg, attn=attn, form=form)
+        out = sparse_mla(*inputs, seg, idx, scale=cfg.softmax_scale, attn=attn, absorbed=form == "absorbed")
         (out * weight).sum().backward()
         results.append((out.detach(), [t.grad for t in inputs]))
     out0, grads0 = results[0]
@@ -82,11 +82,11 @@ def test_full_selection_equals_dense_and_future_keys_never_leak(lens, attn_form)
     T = doc.shape[1]
     seg, _ = document_runs(doc)
     q, c, k_pe, kv_b = _inputs(cfg, 1, T, torch.float64)
-    dense = sparse_mla(q, c, k_pe, kv_b, seg, None, cfg=cfg, attn=attn, form=form)
+    dense = sparse_mla(q, c, k_pe, kv_b, seg, None, scale=cfg.softmax_scale, attn=attn, absorbed=form == "absorbed")
     full = topk_reference(torch.randn(1, T, T), visible_keys(seg), T)          # every visible key selected
-    assert rel_err(sparse_mla(q, c, k_pe, kv_b, seg, full, cfg=cfg, attn=attn, form=form), dense) < 1e-13
+    assert rel_err(sparse_mla(q, c, k_pe, kv_b, seg, full, scale=cfg.softmax_scale, attn=attn, absorbed=form == "absorbed"), dense) < 1e-13
     everything = torch.arange(T, dtype=torch.int32).expand(1, T, T)             # a selection holding future keys
-    leaked = sparse_mla(q, c, k_pe, kv_b, seg, everything, cfg=cfg, attn=attn, form=form)
+    leaked = sparse_mla(q, c, k_pe, kv_b, seg, everything, scale=cfg.softmax_scale, attn=attn, absorbed=form == "absorbed")
     assert rel_err(leaked, dense) < 1e-13
 
 
@@ -95,7 +95,7 @@ def test_rows_without_keys_are_zero_with_zero_gradient(attn, form):
     cfg = tiny()
     seg, _ = document_runs(torch.tensor([[0, 0, 0, -1, -1]]))
     q, c, k_pe, kv_b = _inputs(cfg, 1, 5, torch.float32, grad=True)
-    out = sparse_mla(q, c, k_pe, kv_b, seg, None, cfg=cfg, attn=attn, form=form)
+    out = sparse_mla(q, c, k_pe, kv_b, seg, None, scale=cfg.softmax_scale, attn=attn, absorbed=form == "absorbed")
     assert torch.equal(out[:, 3:], torch.zeros_like(out[:, 3:]))
     out.square().sum().backward()
     for t in (q, c, k_pe, kv_b):

@@ -75,6 +75,11 @@ def _experts(cfg, dtype):
             "w2": torch.randn(E, Z, m, dtype=dtype) * 0.2}
 
 
+def _run(impl, z, idx, w, ex, cfg):
+    return impl(z, idx, w, ex["w1"], ex["w2"], ex["w3"], beta=cfg.activation_situ_beta,
+                beta_lin=cfg.activation_situ_linear_beta)
+
+
 def _loop_reference(z, idx, w, experts, cfg):
     """HF moe_infer order: each chosen expert's output rounded to the activation dtype, then
     fp32 weight multiply and fp32 sum over slots, rounded once."""
@@ -94,13 +99,13 @@ def test_experts_match_loop_reference(impl):
     for dtype, tol in [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float64, 1e-13)]:
         if impl is experts_grouped and dtype == torch.float64:
             with pytest.raises(ValueError, match="dense"):
-                impl(torch.zeros(2, cfg.routed_expert_hidden_size, dtype=dtype), torch.zeros(2, 2, dtype=torch.long),
-                     torch.zeros(2, 2), _experts(cfg, dtype), cfg=cfg)
+                _run(impl, torch.zeros(2, cfg.routed_expert_hidden_size, dtype=dtype),
+                     torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2), _experts(cfg, dtype), cfg)
             continue
         z = torch.randn(24, cfg.routed_expert_hidden_size, dtype=dtype)
         idx, w = route(_router(cfg, torch.float32), torch.randn(24, cfg.hidden_size), cfg)
         ex = _experts(cfg, dtype)
-        assert rel_err(impl(z, idx, w, ex, cfg=cfg), _loop_reference(z, idx, w, ex, cfg)) < tol
+        assert rel_err(_run(impl, z, idx, w, ex, cfg), _loop_reference(z, idx, w, ex, cfg)) < tol
 
 
 def test_grouped_gradients_equal_dense():
@@ -113,7 +118,7 @@ def test_grouped_gradients_equal_dense():
     for impl in (experts_dense, experts_grouped):
         z, w = z0.clone().requires_grad_(), w0.clone().requires_grad_()
         ex = {k: v.clone().requires_grad_() for k, v in ex0.items()}
-        (impl(z, idx, w, ex, cfg=cfg) * probe).sum().backward()
+        (_run(impl, z, idx, w, ex, cfg) * probe).sum().backward()
         grads.append([z.grad, w.grad, *(ex[k].grad for k in ("w1", "w2", "w3"))])
     for a, b in zip(*grads):
         assert rel_err(a, b) < 1e-5

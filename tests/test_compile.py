@@ -1,0 +1,186 @@
+"""Compile contracts: every kimi:: op passes opcheck; the whole model compiles with fullgraph=True and no graph
+break, forward and backward, for every CPU backend; compiled == eager (outputs and gradients); recompiles stay
+bounded over a sweep of lengths and batch sizes.
+
+Graph capture (Dynamo + AOTAutograd, which traces forward and backward) is tested with the `aot_eager` backend for
+the whole backend matrix; Inductor code generation, which costs minutes of C++ compilation on 2 cores, runs once
+on the default backend. Compile tests use a 2-layer model (KDA + dense MLP, gated MLA with indexer + MoE) that
+keeps every kind of layer.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import kimi
+import kimi.ops as ops
+from helpers import rel_err, tiny
+from kimi.config import KDAConfig
+from kimi.indexer import visible_keys, topk_reference
+from kimi.model import document_runs
+
+CFG = tiny(num_hidden_layers=2, attn_res_block_size=1,
+           linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
+BACKENDS = [kimi.Backend(), kimi.Backend(attn="eager", kda="recurrent", moe="dense"),
+            kimi.Backend(attn="sdpa", mla_form="absorbed", kda="chunk", moe="dense")]
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def params():
+    return kimi.init_params(CFG, seed=0)
+
+
+def _batch(B=2, T=24):
+    ids = torch.randint(0, CFG.vocab_size, (B, T))
+    doc = torch.cat([torch.zeros(B, T // 3, dtype=torch.long), torch.ones(B, T - T // 3, dtype=torch.long)], 1)
+    return ids, doc
+
+
+def _loss_and_grads(params, ids, doc, backend, fn):
+    leaves = [leaf for _, leaf in kimi.params.tree_items(params) if leaf.requires_grad]
+    for leaf in leaves:
+        leaf.grad = None
+    logits = fn(params, ids, CFG, backend, document_ids=doc)
+    logits.float().logsumexp(-1).mean().backward()
+    return logits.detach(), [leaf.grad.clone() if leaf.grad is not None else None for leaf in leaves]
+
+
+# ---------------------------------------------------------------------------------------------- ops
+
+def _op_samples():
+    B, T, H, K, V = 2, 6, 2, 8, 8
+    r = lambda *s, dt=torch.float64: torch.randn(*s, dtype=dt)
+    q, k = (torch.nn.functional.normalize(r(B, T, H, K), dim=-1) for _ in range(2))
+    g = -torch.rand(B, T, H, K, dtype=torch.float64) * 2
+    beta, v, s0 = torch.rand(B, T, H, dtype=torch.float64), r(B, T, H, V), r(B, H, K, V)
+    reset = torch.zeros(B, T, dtype=torch.bool)
+    reset[0, 3] = True
+    seg, _ = document_runs(torch.tensor([[0] * 2 + [1] * 4, [3] * 5 + [-1] * 1]))
+    cfg = tiny()
+    Hm = cfg.num_attention_heads
+    qm, c, kpe = r(B, T, Hm, cfg.qk_head_dim), r(B, T, cfg.kv_lora_rank), r(B, T, cfg.qk_rope_head_dim)
+    kvb = r(Hm * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank) * 0.2
+    idx = topk_reference(r(B, T, T), visible_keys(seg), 3)
+    E, m, Z, N = cfg.num_experts, cfg.moe_intermediate_size, cfg.routed_expert_hidden_size, 12
+    z = torch.randn(N, Z)
+    eidx = torch.stack([torch.randperm(E)[:2] for _ in range(N)])
+    w = torch.rand(N, 2)
+    ex = [torch.randn(E, m, Z) * 0.2, torch.randn(E, Z, m) * 0.2, torch.randn(E, m, Z) * 0.2]
+    offs = torch.tensor([3, 3, 9, 12], dtype=torch.int32)
+    return {
+        "kda_recurrent": (ops.kda_recurrent, (q, k, v, g, beta, 0.3, s0, reset)),
+        "kda_chunk": (ops.kda_chunk, (q, k, v, g, beta, 0.3, s0, reset, 4)),
+        "kda_step": (ops.kda_step, (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], 0.3, s0)),
+        "indexer_topk": (ops.indexer_topk_op, (r(B, T, 2, 8), r(B, T, 8), r(B, T, 2), seg, 4)),
+        "sparse_mla_eager": (ops.sparse_mla_eager, (qm, c, kpe, kvb, seg, idx, cfg.softmax_scale, True)),
+        "sparse_mla_sdpa": (ops.sparse_mla_sdpa, (qm, c, kpe, kvb, seg, None, cfg.softmax_scale, False)),
+        "moe_experts_dense": (ops.moe_experts_dense, (z, eidx, w, *ex, 4.0, 25.0)),
+        "moe_experts_grouped": (ops.moe_experts_grouped, (z, eidx, w, *ex, 4.0, None)),
+        "grouped_mm": (torch.ops.kimi.grouped_mm.default, (torch.randn(12, 16), torch.randn(4, 16, 8), offs)),
+        "grouped_mm_wgrad": (torch.ops.kimi.grouped_mm_wgrad.default, (torch.randn(12, 16), torch.randn(12, 8), offs)),
+    }
+
+
+def test_every_registered_op_is_covered():
+    registered = {name for name in dir(torch.ops.kimi) if not name.startswith("_") and
+                  isinstance(getattr(torch.ops.kimi, name), torch._ops.OpOverloadPacket)}
+    assert registered == set(_op_samples())
+
+
+@pytest.mark.parametrize("name", sorted(_op_samples()))
+def test_opcheck(name):
+    op, args = _op_samples()[name]
+    args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() and name not in
+                 ("indexer_topk",) else a for a in args)
+    torch.library.opcheck(op, args)
+
+
+def test_grouped_mm_gradients_match_loop():
+    offs = torch.tensor([2, 2, 7, 10], dtype=torch.int32)
+    x = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(4, 16, 8, requires_grad=True)
+    probe = torch.randn(10, 8)
+    (torch.ops.kimi.grouped_mm(x, w, offs) * probe).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    bounds = [0, *offs.tolist()]
+    ref = torch.cat([x2[a:b] @ w2[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+    (ref * probe).sum().backward()
+    assert rel_err(x.grad, x2.grad) < 1e-6 and rel_err(w.grad, w2.grad) < 1e-6
+
+
+def test_kda_step_continues_the_recurrence():
+    B, T, H, K = 1, 9, 2, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1) for _ in range(2))
+    v, g = torch.randn(B, T, H, K, dtype=torch.float64), -torch.rand(B, T, H, K, dtype=torch.float64)
+    beta = torch.rand(B, T, H, dtype=torch.float64)
+    o, S = ops.kda_recurrent(q, k, v, g, beta, 0.3, None, None)
+    o8, S8 = ops.kda_chunk(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], 0.3, None, None)
+    o9, S9 = ops.kda_step(q[:, 8], k[:, 8], v[:, 8], g[:, 8], beta[:, 8], 0.3, S8)
+    assert rel_err(o9, o[:, 8]) < 1e-13 and rel_err(S9, S) < 1e-13
+
+
+# ---------------------------------------------------------------------------------------------- whole model
+
+@pytest.mark.parametrize("backend", [None, *BACKENDS[1:]])
+def test_no_graph_breaks(params, backend):
+    ids, doc = _batch()
+    ex = torch._dynamo.explain(kimi.forward)(params, ids, CFG, backend, document_ids=doc)
+    assert ex.graph_break_count == 0, [b.reason for b in ex.break_reasons]
+    assert ex.graph_count == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fullgraph_forward_backward_equals_eager(params, backend):
+    ids, doc = _batch()
+    compiled = torch.compile(kimi.forward, fullgraph=True, backend="aot_eager")
+    out, grads = _loss_and_grads(params, ids, doc, backend, compiled)
+    ref, ref_grads = _loss_and_grads(params, ids, doc, backend, kimi.forward)
+    assert rel_err(out, ref) < 1e-6
+    for g, r in zip(grads, ref_grads):
+        assert (g is None) == (r is None) and (g is None or rel_err(g, r) < 1e-5)
+
+
+def test_inductor_forward_backward_equals_eager(params):
+    """The default backend through Inductor's generated code (the slow one: C++ compilation)."""
+    ids, doc = _batch()
+    backend = kimi.Backend()
+    compiled = torch.compile(kimi.forward, fullgraph=True)
+    out, grads = _loss_and_grads(params, ids, doc, backend, compiled)
+    ref, ref_grads = _loss_and_grads(params, ids, doc, backend, kimi.forward)
+    assert rel_err(out, ref) < 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert (g is None) == (r is None) and (g is None or rel_err(g, r) < 1e-4)
+
+
+def _graphs_of(fn) -> int:
+    """Compiled graphs Dynamo holds for fn's code object (one per guard set)."""
+    return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+
+
+def test_recompiles_are_bounded_over_lengths_and_batches(params):
+    """With dynamic=True one graph serves every batch size > 1 and every length above one KDA chunk; the two
+    0/1 specializations (batch 1, a single 64-token chunk) add one graph each, not one per length."""
+    compiled = torch.compile(kimi.forward, fullgraph=True, dynamic=True, backend="aot_eager")
+    backend = kimi.Backend()
+
+    def check(B, T):
+        ids, doc = _batch(B, T)
+        with torch.no_grad():
+            assert rel_err(compiled(params, ids, CFG, backend, document_ids=doc),
+                           kimi.forward(params, ids, CFG, backend, document_ids=doc)) < 1e-5
+
+    for B, T in [(2, 70), (3, 101), (2, 130), (4, 81)]:
+        check(B, T)
+    assert _graphs_of(kimi.forward) == 1
+    check(1, 90)
+    check(1, 77)
+    assert _graphs_of(kimi.forward) == 2
