@@ -233,7 +233,7 @@ def kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
 
     def chunked(x: Tensor) -> Tensor:
         """[B, T, H, ...] -> [B, H, N, C, ...], right-padded with zeros (k = 0, β = 0, g = 0: no write, no decay)."""
-        x = x.to(dt).transpose(1, 2)
+        x = x.to(dt).transpose(1, 2).contiguous()   # F.pad by 0 returns its input: keep one layout for compile
         x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, pad))
         return x.reshape(B, H, N, C, *x.shape[3:])
 
