@@ -348,8 +348,8 @@ PRESETS: dict[str, tuple[str, ModelConfig]] = {
                          num_key_value_heads=4, intermediate_size=256, q_lora_rank=64, kv_lora_rank=32,
                          qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_experts=8,
                          num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=64,
-                         routed_expert_hidden_size=64, attn_res_block_size=3, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0, index_n_heads=4, index_head_dim=32, index_topk=16, dtype="float32",
+                         routed_expert_hidden_size=64, attn_res_block_size=3, bos_token_id=256, eos_token_id=258,
+                         pad_token_id=511, index_n_heads=4, index_head_dim=32, index_topk=16, dtype="float32",
                          linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=_TINY_KDA,
                                                       full_attn_layers=_TINY_FULL))),
     "medium": ("Real K3 head and expert widths at ~1.2B parameters for benchmarks: hidden 2048, 8 layers "
@@ -359,8 +359,8 @@ PRESETS: dict[str, tuple[str, ModelConfig]] = {
                            num_key_value_heads=16, intermediate_size=8192, q_lora_rank=768, kv_lora_rank=512,
                            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=32,
                            num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=1024,
-                           routed_expert_hidden_size=1024, attn_res_block_size=4, bos_token_id=1, eos_token_id=2,
-                           pad_token_id=0, index_n_heads=16, index_head_dim=128, index_topk=512,
+                           routed_expert_hidden_size=1024, attn_res_block_size=4, bos_token_id=256, eos_token_id=258,
+                           pad_token_id=511, index_n_heads=16, index_head_dim=128, index_topk=512,
                            linear_attn_config=KDAConfig(num_heads=16, head_dim=128, kda_layers=_TINY_KDA,
                                                         full_attn_layers=_TINY_FULL))),
 }

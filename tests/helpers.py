@@ -28,3 +28,42 @@ def drop_indexer(params):
         attn = {k: v for k, v in layer["self_attn"].items() if k != "indexer"}
         layers.append({**layer, "self_attn": attn})
     return {**params, "model": {**params["model"], "layers": layers}}
+
+
+def train_bpe(text: str, merges: int) -> dict[bytes, int]:
+    """A small byte-level BPE (ranks as in a `tiktoken.model`): the 256 bytes, then `merges` merges of the most
+    frequent adjacent pair inside whitespace-led words of `text`."""
+    import collections
+    import re
+
+    words = collections.Counter(tuple(bytes([b]) for b in w.encode()) for w in re.findall(r"\s?\S+|\s+", text))
+    ranks = {bytes([b]): b for b in range(256)}
+    for _ in range(merges):
+        pairs = collections.Counter()
+        for w, n in words.items():
+            for a, b in zip(w, w[1:]):
+                pairs[a, b] += n
+        if not pairs:
+            break
+        (a, b), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        ranks.setdefault(a + b, len(ranks))
+        merged = collections.Counter()
+        for w, n in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == (a, b):
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] += n
+        words = merged
+    return ranks
+
+
+def write_tiktoken_model(ranks: dict[bytes, int], path) -> None:
+    import base64
+
+    lines = (f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+    path.write_text("\n".join(lines) + "\n")

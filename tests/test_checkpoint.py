@@ -258,7 +258,7 @@ def test_round_trip_bit_exact(tmp_path, dtype, wrap):
     config = json.loads((path / "config.json").read_text())
     if wrap:
         assert config["model_type"] == "kimi_k3" and config["architectures"] == ["KimiK3ForConditionalGeneration"]
-        assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
+        assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (256, 258, 511)
         assert config["text_config"]["model_type"] == "kimi_linear"
     else:
         assert config["model_type"] == "kimi_linear" and "text_config" not in config
