@@ -55,20 +55,23 @@ def _rope_half(x: Tensor, pos: Tensor, dim: int, theta: float) -> Tensor:
     return torch.cat([rot, x[..., dim:]], dim=-1)
 
 
-def indexer_inputs(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def indexer_inputs(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor | None, *,
+                   pos: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The indexer's projections: (q [B, T, n, d], k [B, S, d], w [B, T, n]). q and k in the activation dtype
     (BF16 projections), w in fp32 with both positive scales n^-1/2 · d^-1/2 folded in.
 
     Args:
         p: the layer's `self_attn.indexer` subtree (wq_b, wk, k_norm, weights_proj).
         x: layer input after input_layernorm [B, T, D]; q_resid: q LoRA latent [B, T, q_lora_rank].
+        seg: document run ids [B, T]; the RoPE position is the position in the document.
+        pos: [B, T] RoPE positions given directly instead (the cached path: slot − start); seg is then unused.
     """
     B, T, _ = x.shape
     n, d = cfg.index_n_heads, cfg.index_head_dim
     q = linear(q_resid, p["wq_b"]).view(B, T, n, d)
     k = layer_norm(linear(x, p["wk"]), p["k_norm"], eps=1e-6)
     if cfg.index_rope_dim:
-        pos = positions_in_document(seg)
+        pos = positions_in_document(seg) if pos is None else pos
         q = _rope_half(q, pos, cfg.index_rope_dim, cfg.rope_theta)
         k = _rope_half(k, pos, cfg.index_rope_dim, cfg.rope_theta)
     w = linear(x, p["weights_proj"]).to(compute_dtype(x.dtype)) * (n ** -0.5 * d ** -0.5)
@@ -90,6 +93,12 @@ def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> Ten
 def indexer_topk(q: Tensor, k: Tensor, w: Tensor, seg: Tensor, topk: int) -> Tensor:
     """Scores, the document-causal candidate mask and the top-k: int32 [B, T, topk] (the `kimi::indexer_topk` op)."""
     return topk_reference(scores(q, k, w), visible_keys(seg), topk)
+
+
+def indexer_topk_masked(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, topk: int) -> Tensor:
+    """`indexer_topk` with the candidates given as a mask visible [B, T, S] (the cached path: T new queries
+    against S cache slots). The `kimi::indexer_topk_masked` op."""
+    return topk_reference(scores(q, k, w), visible, topk)
 
 
 def topk_reference(scores: Tensor, valid: Tensor, topk: int) -> Tensor:

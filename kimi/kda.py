@@ -295,23 +295,52 @@ def kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
 
 # ---------------------------------------------------------------------------------------------- the layer
 
+def short_conv_cached(x: Tensor, weight: Tensor, tail: Tensor, reset: Tensor) -> Tensor:
+    """`short_conv` continuing from a cache (KDA.md §10 step 1). x [B, T, C] new raw inputs, tail [B, W-1, C] the
+    previous W-1 raw inputs (updated in place to the last W-1 of tail + x), reset [B, W-1+T] bool over that
+    window (True at the row's first real token: taps before it read 0)."""
+    W = weight.shape[-1]
+    window = torch.cat([tail, x], dim=1)
+    y = short_conv(window, weight, reset)[:, W - 1:]
+    tail.copy_(window[:, window.shape[1] - (W - 1):])
+    return y
+
+
 @compile_region
-def kda_layer(p: dict, x: Tensor, cfg, backend, *, reset: Tensor | None = None) -> Tensor:
+def kda_layer(p: dict, x: Tensor, cfg, backend, *, reset: Tensor | None = None, cache: dict | None = None,
+              step=None) -> Tensor:
     """One KDA mixer (KDA.md §3, MODEL.md §5.2). x [B, T, D] is the layer's normalized input; -> [B, T, D] in
     x.dtype. p is the layer's `self_attn` subtree (checkpoint names, kimi/params.py). reset [B, T] bool marks
-    document starts: the convs and the recurrence restart there."""
+    document starts: the convs and the recurrence restart there.
+
+    With `cache` (this layer's dict from kimi/cache.py) and `step` (`cache.Step`), the convs and the recurrence
+    continue from the cached tails and state, restart at each row's start slot, and write the cache in place."""
     la = cfg.linear_attn_config
     H, K = la.num_heads, la.head_dim
     B, T, _ = x.shape
     dt = compute_dtype(x.dtype)
     # All projections read the layer input x, not the conv outputs (KDA.md §3).
-    q = short_conv(linear(x, p["q_proj"]), p["q_conv1d"]["weight"], reset).view(B, T, H, K)
-    k = short_conv(linear(x, p["k_proj"]), p["k_conv1d"]["weight"], reset).view(B, T, H, K)
-    v = short_conv(linear(x, p["v_proj"]), p["v_conv1d"]["weight"], reset).view(B, T, H, K)
+    if cache is None:
+        conv = lambda name: short_conv(linear(x, p[f"{name}_proj"]), p[f"{name}_conv1d"]["weight"], reset)
+    else:
+        conv = lambda name: short_conv_cached(linear(x, p[f"{name}_proj"]), p[f"{name}_conv1d"]["weight"],
+                                              cache[f"conv_{name}"], step.conv_reset)
+    q, k, v = (conv(name).view(B, T, H, K) for name in ("q", "k", "v"))
     f = linear(linear(x, p["f_a_proj"]), p["f_b_proj"]).view(B, T, H, K)
     g = kda_gate(f, p["A_log"], p["dt_bias"], la.gate_lower_bound)
     beta = torch.sigmoid(linear(x, p["b_proj"]).to(dt))               # fp32 before the sigmoid (KDA.md §5)
-    o, _ = ops.kda_core(l2norm(q), l2norm(k), v, g, beta, scale=K ** -0.5, backend=backend, reset=reset)
+    q, k = l2norm(q), l2norm(k)
+    if cache is None:
+        o, _ = ops.kda_core(q, k, v, g, beta, scale=K ** -0.5, backend=backend, reset=reset)
+    elif T == 1:   # decode: one step of the recurrence (KDA.md §10)
+        keep = (~step.reset[:, 0]).to(cache["state"].dtype)[:, None, None, None]
+        o, S = ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], K ** -0.5, cache["state"] * keep)
+        o = o[:, None].to(v.dtype)
+        cache["state"].copy_(S)
+    else:          # (chunked) prefill: the chunked or recurrent core from the cached state
+        o, S = ops.kda_core(q, k, v, g, beta, scale=K ** -0.5, backend=backend, initial_state=cache["state"],
+                            reset=step.reset)
+        cache["state"].copy_(S)
     if la.use_full_rank_gate:
         gate = linear(x, p["g_proj"])
     else:

@@ -28,14 +28,18 @@ from .common import compile_region, compute_dtype, linear, rms_norm
 
 def keep_mask(seg: Tensor, topk_idx: Tensor | None) -> Tensor:
     """Boolean [B, T, S]: visible keys, intersected with the selection when one is given."""
-    visible = indexer.visible_keys(seg)
+    return select_visible(indexer.visible_keys(seg), topk_idx)
+
+
+def select_visible(visible: Tensor, topk_idx: Tensor | None) -> Tensor:
+    """visible [B, T, S] bool intersected with the selected key positions topk_idx [B, T, k] (-1 = none)."""
     if topk_idx is None:
         return visible
-    S = seg.shape[1]
+    S = visible.shape[-1]
     # Scatter valid positions into S+1 columns with -1 sent to the spare last column: duplicates of the
     # sentinel never overwrite a real selection.
     cols = torch.where(topk_idx >= 0, topk_idx, S).long()
-    sel = torch.zeros(*topk_idx.shape[:2], S + 1, dtype=torch.bool, device=seg.device)
+    sel = torch.zeros(*topk_idx.shape[:2], S + 1, dtype=torch.bool, device=visible.device)
     sel = sel.scatter(-1, cols, True)[..., :S]
     return sel & visible
 
@@ -74,12 +78,20 @@ def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, to
         scale: softmax scale (d_n + d_r)^-1/2 in both forms. attn: 'eager' | 'sdpa'; absorbed: the latent form.
     Returns: o [B, T, H, d_v] in q's dtype.
     """
+    return sparse_mla_masked(q, c, k_pe, kv_b, indexer.visible_keys(seg), topk_idx, scale=scale, attn=attn,
+                             absorbed=absorbed)
+
+
+def sparse_mla_masked(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: Tensor, topk_idx: Tensor | None,
+                      *, scale: float, attn: str, absorbed: bool) -> Tensor:
+    """`sparse_mla` with the visible keys given as a mask visible [B, T, S] bool instead of document ids, so the
+    S keys need not be the T queries: the cached path attends from T new tokens over all S cache slots."""
     B, T, H, dqk = q.shape
     R, dr = c.shape[-1], k_pe.shape[-1]
     dn = dqk - dr
     dv = kv_b.shape[0] // H - dn
     attend = {"eager": _attend_eager, "sdpa": _attend_sdpa}[attn]
-    keep = keep_mask(seg, topk_idx)
+    keep = select_visible(visible, topk_idx)
     W = kv_b.view(H, dn + dv, R)
     q_nope, q_pe = q.split([dn, dr], dim=-1)
     if not absorbed:
@@ -95,11 +107,15 @@ def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, to
 
 
 @compile_region
-def gated_mla(p: dict, x: Tensor, cfg, backend, *, seg: Tensor) -> Tensor:
+def gated_mla(p: dict, x: Tensor, cfg, backend, *, seg: Tensor | None, cache: dict | None = None,
+              step=None) -> Tensor:
     """One gated-MLA layer (with its indexer when `cfg.has_indexer`). x [B, T, D] normalized -> [B, T, D].
 
     Args:
         p: the layer's `self_attn` subtree. seg: document run ids [B, T], -1 for padding (see indexer.py).
+        cache, step: this layer's cache dict and the call's `cache.Step` (kimi/cache.py). The new tokens'
+            latents [c ; k_r] and indexer keys are written at step.slots; queries then select and attend over
+            all cache slots, masked by step.visible (DSA.md §8). seg is unused.
     """
     B, T, _ = x.shape
     H = cfg.num_attention_heads
@@ -111,9 +127,23 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, seg: Tensor) -> Tensor:
     q = q.view(B, T, H, cfg.qk_head_dim)
     c, k_pe = linear(x, p["kv_a_proj_with_mqa"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
     c = rms_norm(c, p["kv_a_layernorm"], eps=1e-6)
-    topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, backend, seg) if cfg.has_indexer else None
-    o = ops.sparse_mla(q, c, k_pe, p["kv_b_proj"]["weight"], seg, topk_idx, scale=cfg.softmax_scale,
-                       backend=backend)
+    if cache is None:
+        topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, backend, seg) if cfg.has_indexer else None
+        o = ops.sparse_mla(q, c, k_pe, p["kv_b_proj"]["weight"], seg, topk_idx, scale=cfg.softmax_scale,
+                           backend=backend)
+    else:
+        kv = cache["kv"]
+        kv.index_copy_(1, step.slots, torch.cat([c, k_pe], dim=-1))
+        c_all, k_pe_all = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        topk_idx = None
+        if cfg.has_indexer:
+            with torch.no_grad():
+                qi, ki, wi = indexer.indexer_inputs(p["indexer"], x, q_resid, cfg, None,
+                                                    pos=step.index_pos)
+                cache["index_k"].index_copy_(1, step.slots, ki)
+                topk_idx = ops.indexer_topk_masked(qi, cache["index_k"], wi, step.visible, cfg.index_topk, backend)
+        o = ops.sparse_mla_masked(q, c_all, k_pe_all, p["kv_b_proj"]["weight"], step.visible, topk_idx,
+                                  scale=cfg.softmax_scale, backend=backend)
     o = o.reshape(B, T, H * cfg.v_head_dim)
     if cfg.mla_use_output_gate:
         o = o * torch.sigmoid(linear(x, p["g_proj"]))

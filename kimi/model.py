@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import kda, mla, moe
+from .cache import CacheError, Step, check_cache, step_positions
 from .common import compute_dtype, rms_norm
 from .config import Backend, ModelConfig
 
@@ -53,16 +54,17 @@ def document_runs(document_ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def decoder_layer(p: dict, h: Tensor, R: list[Tensor], i: int, cfg: ModelConfig, backend: Backend, *,
-                  seg: Tensor, reset: Tensor) -> tuple[Tensor, list[Tensor]]:
+                  seg: Tensor | None, reset: Tensor | None, cache: dict | None = None,
+                  step: Step | None = None) -> tuple[Tensor, list[Tensor]]:
     """Layer i. h [B, T, D] is the layer input (the current block's partial sum); R the closed entries.
-    Returns (h', R')."""
+    Returns (h', R'). cache: this layer's cache dict (kimi/cache.py), step: where the new tokens sit."""
     eps = cfg.rms_norm_eps
 
     def attn(a_in):
         a = rms_norm(a_in, p["input_layernorm"], eps)
         if cfg.layer_types[i] == "kda":
-            return kda.kda_layer(p["self_attn"], a, cfg, backend, reset=reset)
-        return mla.gated_mla(p["self_attn"], a, cfg, backend, seg=seg)
+            return kda.kda_layer(p["self_attn"], a, cfg, backend, reset=reset, cache=cache, step=step)
+        return mla.gated_mla(p["self_attn"], a, cfg, backend, seg=seg, cache=cache, step=step)
 
     def ffn(m_in):
         m = rms_norm(m_in, p["post_attention_layernorm"], eps)
@@ -84,20 +86,39 @@ def decoder_layer(p: dict, h: Tensor, R: list[Tensor], i: int, cfg: ModelConfig,
 
 
 def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
-            document_ids: Tensor | None = None) -> Tensor:
+            document_ids: Tensor | None = None, cache: dict | None = None) -> Tensor | tuple[Tensor, dict]:
     """Logits [B, T, V] (in the parameters' dtype) for input_ids [B, T] (int).
 
     Args:
         params: the tree from `init_params` / `load_checkpoint`.
         backend: implementations to run (default `Backend()`).
         document_ids: [B, T] int; packed documents are runs of equal ids, negative ids are padding.
-            Default: one document per row.
+            Default: one document per row. Not accepted with a cache.
+        cache: a decode cache from `kimi.init_cache` (kimi/cache.py). The T tokens are then the next T of every
+            row: they are written at slots [pos, pos + T) and attend to everything cached before them. The
+            first call is the prefill (it may be split over several calls), T = 1 calls are decode steps.
+            The buffers are updated in place and pos advances by T; returns (logits, cache). Inference only:
+            runs under no_grad.
     """
+    if cache is not None:
+        with torch.no_grad():
+            return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache)
+    return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=None)
+
+
+def _forward(params, input_ids, config, backend, *, document_ids, cache):
     backend = backend or DEFAULT_BACKEND
     cfg = config
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"input_ids must be an int32/int64 tensor [B, T], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")
+    step = None
+    if cache is not None:
+        if document_ids is not None:
+            raise CacheError("document_ids (packed documents) cannot be combined with a cache; for prompts of "
+                             "unequal length left-pad them and pass the row starts to init_cache/reset_cache")
+        check_cache(cache, cfg, input_ids, params["model"]["embed_tokens"]["weight"].dtype)
+        step = step_positions(cache, input_ids.shape[1], cfg)
     if document_ids is None:
         document_ids = torch.zeros_like(input_ids)
     elif document_ids.shape != input_ids.shape or document_ids.dtype.is_floating_point:
@@ -107,14 +128,19 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
             int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got "
                          f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-    seg, reset = document_runs(document_ids)
+    seg, reset = document_runs(document_ids) if cache is None else (None, None)
     m = params["model"]
     h = torch.nn.functional.embedding(input_ids, m["embed_tokens"]["weight"])
     R: list[Tensor] = []
     for i, p in enumerate(m["layers"]):
-        h, R = decoder_layer(p, h, R, i, cfg, backend, seg=seg, reset=reset)
+        h, R = decoder_layer(p, h, R, i, cfg, backend, seg=seg, reset=reset,
+                             cache=None if cache is None else cache["layers"][i], step=step)
     if cfg.attn_res_block_size is not None:
         h = attn_res_mix(h, R, m["output_attn_res_norm"], m["output_attn_res_proj"], cfg.rms_norm_eps)
     h = rms_norm(h, m["norm"], cfg.rms_norm_eps)
     head = m["embed_tokens"]["weight"] if cfg.tie_word_embeddings else params["lm_head"]["weight"]
-    return torch.nn.functional.linear(h, head)
+    logits = torch.nn.functional.linear(h, head)
+    if cache is None:
+        return logits
+    cache["pos"].add_(input_ids.shape[1])
+    return logits, cache

@@ -15,8 +15,9 @@ Two kinds of registration, one helper each:
 |-----------------------------|----------------|------------|-------------------------|
 | kda_recurrent, kda_chunk    | kda            | traceable  | yes                     |
 | kda_step (decode update)    | -              | traceable  | yes                     |
-| indexer_topk                | -              | traceable  | no (integer output)     |
+| indexer_topk (+ _masked)    | -              | traceable  | no (integer output)     |
 | sparse_mla_eager, _sdpa     | attn, mla_form | traceable  | yes                     |
+| sparse_mla_masked_eager, _sdpa | attn, mla_form | traceable | yes                   |
 | moe_experts_dense, _grouped | moe            | traceable  | yes                     |
 | grouped_mm (+ _wgrad)       | (inside _grouped) | opaque  | yes (registered)        |
 
@@ -118,6 +119,9 @@ kda_step = traceable(
     lambda q, k, v, g, beta, scale, state: kda.kda_step(q, k, v, g, beta, scale=scale, state=state))
 indexer_topk_op = traceable(
     "indexer_topk(Tensor q, Tensor k, Tensor w, Tensor seg, int topk) -> Tensor", indexer.indexer_topk)
+indexer_topk_masked_op = traceable(
+    "indexer_topk_masked(Tensor q, Tensor k, Tensor w, Tensor visible, int topk) -> Tensor",
+    indexer.indexer_topk_masked)
 sparse_mla_eager = traceable(
     "sparse_mla_eager(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor seg, Tensor? topk_idx, float scale, "
     "bool absorbed) -> Tensor",
@@ -128,6 +132,16 @@ sparse_mla_sdpa = traceable(
     "bool absorbed) -> Tensor",
     lambda q, c, k_pe, kv_b, seg, idx, scale, absorbed: mla.sparse_mla(q, c, k_pe, kv_b, seg, idx, scale=scale,
                                                                        attn="sdpa", absorbed=absorbed))
+sparse_mla_masked_eager = traceable(
+    "sparse_mla_masked_eager(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor visible, Tensor? topk_idx, "
+    "float scale, bool absorbed) -> Tensor",
+    lambda q, c, k_pe, kv_b, vis, idx, scale, absorbed: mla.sparse_mla_masked(q, c, k_pe, kv_b, vis, idx, scale=scale,
+                                                                              attn="eager", absorbed=absorbed))
+sparse_mla_masked_sdpa = traceable(
+    "sparse_mla_masked_sdpa(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor visible, Tensor? topk_idx, "
+    "float scale, bool absorbed) -> Tensor",
+    lambda q, c, k_pe, kv_b, vis, idx, scale, absorbed: mla.sparse_mla_masked(q, c, k_pe, kv_b, vis, idx, scale=scale,
+                                                                              attn="sdpa", absorbed=absorbed))
 moe_experts_dense = traceable(
     "moe_experts_dense(Tensor z, Tensor idx, Tensor weight, Tensor w1, Tensor w2, Tensor w3, float beta, "
     "float? beta_lin) -> Tensor",
@@ -164,6 +178,19 @@ def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, to
     Returns o [B, T, H, d_v]. See `mla.sparse_mla`."""
     op = sparse_mla_eager if backend.attn == "eager" else sparse_mla_sdpa
     return op(q, c, k_pe, kv_b, seg, topk_idx, scale, backend.mla_form == "absorbed")
+
+
+def indexer_topk_masked(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, topk: int, backend: Backend) -> Tensor:
+    """`indexer_topk` over explicit candidates visible [B, T, S] bool (the cached path: k holds all S cache
+    slots). Returns int32 [B, T, topk] slot positions ascending, then -1."""
+    return indexer_topk_masked_op(q, k, w, visible, topk)
+
+
+def sparse_mla_masked(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: Tensor, topk_idx: Tensor | None, *,
+                      scale: float, backend: Backend) -> Tensor:
+    """`sparse_mla` over explicit visible keys [B, T, S] bool (the cached path: c, k_pe hold all S cache slots)."""
+    op = sparse_mla_masked_eager if backend.attn == "eager" else sparse_mla_masked_sdpa
+    return op(q, c, k_pe, kv_b, visible, topk_idx, scale, backend.mla_form == "absorbed")
 
 
 def moe_experts(z: Tensor, idx: Tensor, weight: Tensor, experts: dict, *, cfg, backend: Backend) -> Tensor:
