@@ -1,0 +1,145 @@
+"""generate.py: cached generation equals recomputing the full forward, sampling filters, CLI input and errors."""
+
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import kimi
+
+from helpers import tiny
+
+spec = importlib.util.spec_from_file_location("generate", Path(__file__).parents[1] / "generate.py")
+gen = importlib.util.module_from_spec(spec)
+sys.modules["generate"] = gen
+spec.loader.exec_module(gen)
+
+CFG = tiny(index_topk=8)   # selection matters from the 9th token on
+
+
+@pytest.fixture(scope="module")
+def params():
+    return kimi.init_params(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, params):
+    path = tmp_path_factory.mktemp("gen") / "ckpt"
+    kimi.save_checkpoint(path, CFG, params)
+    return path
+
+
+def is_greedy_without_cache(params, prompt, new):
+    """The definition of greedy decoding without a cache: each new token is the argmax of a full forward over
+    everything before it. By causality one forward over prompt + new gives all those logits at once."""
+    with torch.no_grad():
+        logits = kimi.forward(params, torch.tensor([prompt + new]), CFG)[0]
+    return logits[len(prompt) - 1:-1].argmax(-1).tolist() == new
+
+
+def test_cached_greedy_equals_full_recompute(params):
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (12, 5)]
+    res = gen.generate(params, CFG, prompts, max_new_tokens=5, sampling=gen.Sampling(temperature=0))
+    assert all(is_greedy_without_cache(params, p, new) for p, new in zip(prompts, res.tokens))
+    chunked = gen.generate(params, CFG, prompts, max_new_tokens=5, sampling=gen.Sampling(temperature=0),
+                           prefill_chunk=5, max_len=40)
+    assert chunked.tokens == res.tokens
+    assert res.prompt_tokens == 17 and res.decode_steps == 2 and not any(res.stopped)
+
+
+def test_rows_stop_at_stop_ids(params):
+    prompts = [torch.randint(0, 256, (7,)).tolist(), torch.randint(0, 256, (9,)).tolist()]
+    full = gen.generate(params, CFG, prompts, max_new_tokens=5, sampling=gen.Sampling(temperature=0))
+    stop = full.tokens[0][2]
+    res = gen.generate(params, CFG, prompts, max_new_tokens=5, sampling=gen.Sampling(temperature=0),
+                       stop_ids=(stop,))
+    first = full.tokens[0].index(stop)
+    assert res.tokens[0] == full.tokens[0][:first + 1] and res.stopped[0]
+    other = full.tokens[1]
+    cut = other.index(stop) + 1 if stop in other else len(other)
+    assert res.tokens[1] == other[:cut]
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(params):
+    prompts = [torch.randint(0, 256, (6,)).tolist()]
+    s = gen.Sampling(temperature=1.0, seed=7)
+    a = gen.generate(params, CFG, prompts, max_new_tokens=3, sampling=s).tokens
+    assert gen.generate(params, CFG, prompts, max_new_tokens=3, sampling=s).tokens == a
+    greedy = gen.generate(params, CFG, prompts, max_new_tokens=3, sampling=gen.Sampling(temperature=0)).tokens
+    top1 = gen.generate(params, CFG, prompts, max_new_tokens=3, sampling=gen.Sampling(temperature=2.0, top_k=1))
+    assert top1.tokens == greedy
+
+
+@settings(max_examples=30)
+@given(st.integers(1, 12), st.floats(0.05, 1.0), st.floats(0.3, 3.0), st.integers(0, 2**31 - 1))
+def test_samples_stay_in_the_top_k_and_nucleus(k, p, temperature, seed):
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(seed)) * 3
+    g = torch.Generator().manual_seed(seed)
+    s = gen.Sampling(temperature=temperature, top_k=k, top_p=p)
+    for _ in range(5):
+        ids = gen.sample(logits, s, g)
+        for row, i in zip(logits, ids.tolist()):
+            order = (row / temperature).argsort(descending=True).tolist()
+            probs = (row / temperature)[order[:k]].softmax(-1)   # top-k first, then the nucleus of what is left
+            n = int((probs.cumsum(-1) - probs < p).sum())
+            assert i in order[:max(n, 1)]
+
+
+def test_top_p_keeps_the_smallest_set():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {int(gen.sample(logits, gen.Sampling(temperature=1, top_p=0.8, seed=0),
+                           torch.Generator().manual_seed(s))) for s in range(200)}
+    assert seen == {0, 1}
+
+
+def test_cli_batch_file_and_stream(ckpt, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("first prompt\n\nsecond, longer prompt\n")
+    out, err = io.StringIO(), io.StringIO()
+    res = gen.run(gen.Args(checkpoint=ckpt, prompts_file=f, max_new_tokens=3, ignore_stop=True), out, err)
+    assert len(res.tokens) == 2 and out.getvalue().count("--- ") == 2
+    assert "prefill: 33 tokens" in err.getvalue()
+    out = io.StringIO()
+    res = gen.run(gen.Args(checkpoint=ckpt, prompt="hi", max_new_tokens=3, ignore_stop=True,
+                           sampling=gen.Sampling(temperature=0)), out, io.StringIO())
+    tok = kimi.tokenizer.ByteTokenizer()
+    assert out.getvalue() == tok.decode(res.tokens[0]) + "\n"
+
+
+def test_cli_chat_prompt(ckpt):
+    res = gen.run(gen.Args(checkpoint=ckpt, prompt="hi", chat=True, thinking=False, max_new_tokens=2,
+                           ignore_stop=True), io.StringIO(), io.StringIO())
+    tok = kimi.tokenizer.ByteTokenizer()
+    want = tok.encode_chat([{"role": "user", "content": "hi"}], thinking=False, add_generation_prompt=True)[0]
+    assert res.prompt_tokens == len(want)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(prompt="   "), "empty"),
+    (dict(prompt="abc", max_len=5), "exceeds the cache length"),
+    (dict(prompt="abc", max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt=None), "exactly one of --prompt"),
+    (dict(prompt="abc", preset="tiny"), "exactly one of --checkpoint"),
+])
+def test_cli_errors(ckpt, change, match):
+    args = dict(checkpoint=ckpt, prompt="abc", max_new_tokens=4) | change
+    with pytest.raises(gen.GenerateError, match=match):
+        gen.run(gen.Args(**args), io.StringIO(), io.StringIO())
+
+
+def test_cli_file_errors(ckpt, tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    with pytest.raises(gen.GenerateError, match=r"p.jsonl:2"):
+        gen.run(gen.Args(checkpoint=ckpt, prompts_file=bad), io.StringIO(), io.StringIO())
+    assert gen.main(["--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "nope" in capsys.readouterr().err
+    with pytest.raises(gen.GenerateError, match="outside the model's vocabulary"):
+        gen.generate(kimi.init_params(CFG, seed=0), CFG, [[1, 600]], max_new_tokens=2)
+    with pytest.raises(gen.GenerateError, match="top_p"):
+        gen.Sampling(top_p=0)
