@@ -188,27 +188,30 @@ def param_count(cfg: ModelConfig, *, active: bool = False, embedding: bool = Tru
 # ---------------------------------------------------------------------------------------------- init
 
 def _init_leaf(spec: Spec, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
-    """Draw one leaf in float32 on the CPU from `gen` (so a seed gives the same weights on every device/dtype)."""
+    """Draw one leaf in float32 on the generator's device (the CPU by default, so a seed gives the same weights on
+    every device and dtype)."""
     shape, std = spec.shape, cfg.initializer_range
+    empty = lambda: torch.empty(shape, device=gen.device)
     if spec.init == "ones":
-        return torch.ones(shape)
+        return torch.ones(shape, device=gen.device)
     if spec.init == "zeros":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device=gen.device)
     if spec.init == "a_log":
-        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+        return empty().uniform_(1.0, 16.0, generator=gen).log_()
     if spec.init == "conv":  # nn.Conv1d's default (kaiming-uniform, a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
         bound = 1.0 / math.sqrt(math.prod(shape[1:]))
-        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+        return empty().uniform_(-bound, bound, generator=gen)
     if spec.init == "lm_head":
         s = shape[-1] ** -0.5
-        return nn.init.trunc_normal_(torch.empty(shape), std=s, a=-3 * s, b=3 * s, generator=gen)
-    w = torch.empty(shape).normal_(0.0, std, generator=gen)
+        return nn.init.trunc_normal_(empty(), std=s, a=-3 * s, b=3 * s, generator=gen)
+    w = empty().normal_(0.0, std, generator=gen)
     if spec.init == "embed" and cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < shape[0]:
         w[cfg.pad_token_id] = 0
     return w
 
 
-def init_params(cfg: ModelConfig, seed: int = 0, dtype: str | None = None, device: str | torch.device = "cpu") -> Tree:
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: str | None = None, device: str | torch.device = "cpu", *,
+                draw_on_device: bool = False) -> Tree:
     """A fresh parameter tree with the checkpoint's shapes and dtypes (Automodel's init, MODEL.md §9).
 
     Args:
@@ -216,11 +219,13 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: str | None = None, devic
         seed: weights are a function of (cfg, seed) only, the same on every device and in every dtype.
         dtype: compute/storage dtype name (default `cfg.dtype`); fp32-kept tensors stay fp32.
         device: 'meta' gives a shape-only tree without drawing numbers (for the full-size presets).
+        draw_on_device: draw with a generator on `device` instead of the CPU: much faster for large models on a
+            GPU, but the weights then differ from the CPU draw of the same seed (for benchmarks).
     Returns: nested dicts/lists of `nn.Parameter`.
     """
     dt = to_dtype(dtype or cfg.dtype)
     device = torch.device(device)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device if draw_on_device and device.type != "meta" else "cpu").manual_seed(seed)
 
     def make(path: str, spec: Spec) -> nn.Parameter:
         ldt = leaf_dtype(spec, dt)
