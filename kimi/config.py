@@ -367,17 +367,20 @@ PRESETS: dict[str, tuple[str, ModelConfig]] = {
 
 
 def scaled(cfg: ModelConfig, *, num_layers: int | None = None, num_experts: int | None = None) -> ModelConfig:
-    """`cfg` with its per-layer widths kept but fewer layers (K3's pattern: every 4th and the last are gated MLA)
-    and/or fewer routed experts (top-k kept): real-width models that fit one GPU, for benchmarks."""
+    """`cfg` with its per-layer widths kept but fewer layers (K3's pattern: every 4th and the last are gated MLA;
+    attention-residual blocks shrunk to at most half the depth so block boundaries still occur) and/or fewer routed
+    experts (top-k kept, one routing group): real-width models that fit one GPU, for benchmarks."""
     changes: dict[str, Any] = {}
     if num_layers is not None:
         kda, full = _k3_layer_lists(num_layers)
+        block = cfg.attn_res_block_size
         changes.update(num_hidden_layers=num_layers, first_k_dense_replace=min(cfg.first_k_dense_replace, num_layers),
+                       attn_res_block_size=None if block is None else min(block, max(1, num_layers // 2)),
                        linear_attn_config=dataclasses.replace(cfg.linear_attn_config, kda_layers=kda,
                                                               full_attn_layers=full))
     if num_experts is not None:
-        changes.update(num_experts=num_experts,
-                       num_experts_per_token=min(cfg.num_experts_per_token, num_experts))
+        changes.update(num_experts=num_experts, num_experts_per_token=min(cfg.num_experts_per_token, num_experts),
+                       num_expert_group=1, topk_group=1)
     return dataclasses.replace(cfg, **changes)
 
 
