@@ -138,12 +138,11 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, seg: Tensor | None, cache: di
         topk_idx = None
         if cfg.has_indexer:
             with torch.no_grad():
-                qi, ki, wi = indexer.indexer_inputs(p["indexer"], x, q_resid, cfg, None,
-                                                    pos=step.index_pos)
+                qi, ki, wi = indexer.indexer_inputs(p["indexer"], x, q_resid, cfg, None, pos=step.index_pos)
                 cache["index_k"].index_copy_(1, step.slots, ki)
                 topk_idx = ops.indexer_topk(qi, cache["index_k"], wi, step.visible, cfg.index_topk, backend)
         o = ops.sparse_mla(q, c_all, k_pe_all, p["kv_b_proj"]["weight"], step.visible, topk_idx,
-                                  scale=cfg.softmax_scale, backend=backend)
+                           scale=cfg.softmax_scale, backend=backend)
     o = o.reshape(B, T, H * cfg.v_head_dim)
     if cfg.mla_use_output_gate:
         o = o * torch.sigmoid(linear(x, p["g_proj"]))
