@@ -190,10 +190,9 @@ def check_cache(cache, cfg: ModelConfig, input_ids: Tensor, dtype: torch.dtype) 
             if got[k] != shape:
                 raise CacheError(f"cache layer {i} {k} has shape {list(got[k])}, expected {list(shape)}: was it "
                                  "built for another config?")
-        store = layer["kv" if kind == "mla" else "conv_q"]
-        state_dt = layer["state"].dtype if kind == "kda" else compute_dtype(dtype)
-        if store.dtype != dtype or state_dt != compute_dtype(dtype):
-            raise CacheError(f"cache layer {i} holds {store.dtype} activations, the parameters are {dtype}: "
+        act = layer["kv" if kind == "mla" else "conv_q"].dtype
+        if act != dtype or (kind == "kda" and layer["state"].dtype != compute_dtype(dtype)):
+            raise CacheError(f"cache layer {i} holds {act} activations, the parameters are {dtype}: "
                              f"build it with init_cache(..., dtype={dtype})")
     if cache["start"].shape != (B,):
         raise CacheError(f"cache start has shape {list(cache['start'].shape)}, expected [{B}]")

@@ -90,14 +90,10 @@ def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> Ten
     return scores(*indexer_inputs(p, x, q_resid, cfg, seg))
 
 
-def indexer_topk(q: Tensor, k: Tensor, w: Tensor, seg: Tensor, topk: int) -> Tensor:
-    """Scores, the document-causal candidate mask and the top-k: int32 [B, T, topk] (the `kimi::indexer_topk` op)."""
-    return topk_reference(scores(q, k, w), visible_keys(seg), topk)
-
-
-def indexer_topk_masked(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, topk: int) -> Tensor:
-    """`indexer_topk` with the candidates given as a mask visible [B, T, S] (the cached path: T new queries
-    against S cache slots). The `kimi::indexer_topk_masked` op."""
+def indexer_topk(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, topk: int) -> Tensor:
+    """Scores and the top-k over the candidates visible [B, T, S] bool: int32 [B, T, topk] (the
+    `kimi::indexer_topk` op). Without a cache visible = `visible_keys(seg)` (S = T); with one, T new queries
+    see S cache slots."""
     return topk_reference(scores(q, k, w), visible, topk)
 
 
@@ -125,4 +121,4 @@ def select_keys(p: dict, x: Tensor, q_resid: Tensor, cfg, backend, seg: Tensor) 
     """The indexer of one gated-MLA layer: int32 [B, T, index_topk] selected key positions (-1 padded)."""
     with torch.no_grad():
         q, k, w = indexer_inputs(p, x.detach(), q_resid.detach(), cfg, seg)
-        return ops.indexer_topk(q, k, w, seg, cfg.index_topk, backend)
+        return ops.indexer_topk(q, k, w, visible_keys(seg), cfg.index_topk, backend)

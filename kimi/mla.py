@@ -129,8 +129,8 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, seg: Tensor | None, cache: di
     c = rms_norm(c, p["kv_a_layernorm"], eps=1e-6)
     if cache is None:
         topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, backend, seg) if cfg.has_indexer else None
-        o = ops.sparse_mla(q, c, k_pe, p["kv_b_proj"]["weight"], seg, topk_idx, scale=cfg.softmax_scale,
-                           backend=backend)
+        o = ops.sparse_mla(q, c, k_pe, p["kv_b_proj"]["weight"], indexer.visible_keys(seg), topk_idx,
+                           scale=cfg.softmax_scale, backend=backend)
     else:
         kv = cache["kv"]
         kv.index_copy_(1, step.slots, torch.cat([c, k_pe], dim=-1))
@@ -138,12 +138,11 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, seg: Tensor | None, cache: di
         topk_idx = None
         if cfg.has_indexer:
             with torch.no_grad():
-                qi, ki, wi = indexer.indexer_inputs(p["indexer"], x, q_resid, cfg, None,
-                                                    pos=step.index_pos)
+                qi, ki, wi = indexer.indexer_inputs(p["indexer"], x, q_resid, cfg, None, pos=step.index_pos)
                 cache["index_k"].index_copy_(1, step.slots, ki)
-                topk_idx = ops.indexer_topk_masked(qi, cache["index_k"], wi, step.visible, cfg.index_topk, backend)
-        o = ops.sparse_mla_masked(q, c_all, k_pe_all, p["kv_b_proj"]["weight"], step.visible, topk_idx,
-                                  scale=cfg.softmax_scale, backend=backend)
+                topk_idx = ops.indexer_topk(qi, cache["index_k"], wi, step.visible, cfg.index_topk, backend)
+        o = ops.sparse_mla(q, c_all, k_pe_all, p["kv_b_proj"]["weight"], step.visible, topk_idx,
+                           scale=cfg.softmax_scale, backend=backend)
     o = o.reshape(B, T, H * cfg.v_head_dim)
     if cfg.mla_use_output_gate:
         o = o * torch.sigmoid(linear(x, p["g_proj"]))

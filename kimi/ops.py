@@ -15,9 +15,8 @@ Two kinds of registration, one helper each:
 |-----------------------------|----------------|------------|-------------------------|
 | kda_recurrent, kda_chunk    | kda            | traceable  | yes                     |
 | kda_step (decode update)    | -              | traceable  | yes                     |
-| indexer_topk (+ _masked)    | -              | traceable  | no (integer output)     |
+| indexer_topk                | -              | traceable  | no (integer output)     |
 | sparse_mla_eager, _sdpa     | attn, mla_form | traceable  | yes                     |
-| sparse_mla_masked_eager, _sdpa | attn, mla_form | traceable | yes                   |
 | moe_experts_dense, _grouped | moe            | traceable  | yes                     |
 | grouped_mm (+ _wgrad)       | (inside _grouped) | opaque  | yes (registered)        |
 
@@ -118,28 +117,15 @@ kda_step = traceable(
     "kda_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor state) -> (Tensor, Tensor)",
     lambda q, k, v, g, beta, scale, state: kda.kda_step(q, k, v, g, beta, scale=scale, state=state))
 indexer_topk_op = traceable(
-    "indexer_topk(Tensor q, Tensor k, Tensor w, Tensor seg, int topk) -> Tensor", indexer.indexer_topk)
-indexer_topk_masked_op = traceable(
-    "indexer_topk_masked(Tensor q, Tensor k, Tensor w, Tensor visible, int topk) -> Tensor",
-    indexer.indexer_topk_masked)
+    "indexer_topk(Tensor q, Tensor k, Tensor w, Tensor visible, int topk) -> Tensor", indexer.indexer_topk)
 sparse_mla_eager = traceable(
-    "sparse_mla_eager(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor seg, Tensor? topk_idx, float scale, "
+    "sparse_mla_eager(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor visible, Tensor? topk_idx, float scale, "
     "bool absorbed) -> Tensor",
-    lambda q, c, k_pe, kv_b, seg, idx, scale, absorbed: mla.sparse_mla(q, c, k_pe, kv_b, seg, idx, scale=scale,
-                                                                       attn="eager", absorbed=absorbed))
-sparse_mla_sdpa = traceable(
-    "sparse_mla_sdpa(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor seg, Tensor? topk_idx, float scale, "
-    "bool absorbed) -> Tensor",
-    lambda q, c, k_pe, kv_b, seg, idx, scale, absorbed: mla.sparse_mla(q, c, k_pe, kv_b, seg, idx, scale=scale,
-                                                                       attn="sdpa", absorbed=absorbed))
-sparse_mla_masked_eager = traceable(
-    "sparse_mla_masked_eager(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor visible, Tensor? topk_idx, "
-    "float scale, bool absorbed) -> Tensor",
     lambda q, c, k_pe, kv_b, vis, idx, scale, absorbed: mla.sparse_mla_masked(q, c, k_pe, kv_b, vis, idx, scale=scale,
                                                                               attn="eager", absorbed=absorbed))
-sparse_mla_masked_sdpa = traceable(
-    "sparse_mla_masked_sdpa(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor visible, Tensor? topk_idx, "
-    "float scale, bool absorbed) -> Tensor",
+sparse_mla_sdpa = traceable(
+    "sparse_mla_sdpa(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor visible, Tensor? topk_idx, float scale, "
+    "bool absorbed) -> Tensor",
     lambda q, c, k_pe, kv_b, vis, idx, scale, absorbed: mla.sparse_mla_masked(q, c, k_pe, kv_b, vis, idx, scale=scale,
                                                                               attn="sdpa", absorbed=absorbed))
 moe_experts_dense = traceable(
@@ -165,31 +151,20 @@ def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale:
     return kda_chunk(q, k, v, g, beta, scale, initial_state, reset)
 
 
-def indexer_topk(q: Tensor, k: Tensor, w: Tensor, seg: Tensor, topk: int, backend: Backend) -> Tensor:
+def indexer_topk(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, topk: int, backend: Backend) -> Tensor:
     """Indexer scores and top-k (DSA.md §3): q [B, T, n, d], k [B, S, d], w [B, T, n] (scales folded in),
-    seg [B, T] document run ids. Returns int32 [B, T, topk]: valid key positions ascending, then -1."""
-    return indexer_topk_op(q, k, w, seg, topk)
+    visible [B, T, S] bool the candidate keys (`indexer.visible_keys(seg)` without a cache; the valid cache slots
+    with one). Returns int32 [B, T, topk]: valid key positions ascending, then -1."""
+    return indexer_topk_op(q, k, w, visible, topk)
 
 
-def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, topk_idx: Tensor | None, *,
+def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: Tensor, topk_idx: Tensor | None, *,
                scale: float, backend: Backend) -> Tensor:
     """Gated MLA's attention over the selected keys (DSA.md §4): q [B, T, H, d_qk], latent c [B, S, R],
-    k_pe [B, S, d_r], kv_b_proj weight, document run ids seg [B, T], top-k [B, T, k] or None (all visible keys).
-    Returns o [B, T, H, d_v]. See `mla.sparse_mla`."""
+    k_pe [B, S, d_r], kv_b_proj weight, visible [B, T, S] bool the keys each query may see (document-causal, or
+    the valid cache slots), top-k [B, T, k] or None (all visible keys). Returns o [B, T, H, d_v].
+    See `mla.sparse_mla_masked`."""
     op = sparse_mla_eager if backend.attn == "eager" else sparse_mla_sdpa
-    return op(q, c, k_pe, kv_b, seg, topk_idx, scale, backend.mla_form == "absorbed")
-
-
-def indexer_topk_masked(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, topk: int, backend: Backend) -> Tensor:
-    """`indexer_topk` over explicit candidates visible [B, T, S] bool (the cached path: k holds all S cache
-    slots). Returns int32 [B, T, topk] slot positions ascending, then -1."""
-    return indexer_topk_masked_op(q, k, w, visible, topk)
-
-
-def sparse_mla_masked(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: Tensor, topk_idx: Tensor | None, *,
-                      scale: float, backend: Backend) -> Tensor:
-    """`sparse_mla` over explicit visible keys [B, T, S] bool (the cached path: c, k_pe hold all S cache slots)."""
-    op = sparse_mla_masked_eager if backend.attn == "eager" else sparse_mla_masked_sdpa
     return op(q, c, k_pe, kv_b, visible, topk_idx, scale, backend.mla_form == "absorbed")
 
 

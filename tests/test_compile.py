@@ -70,6 +70,7 @@ def _op_samples():
     qm, c, kpe = r(B, T, Hm, cfg.qk_head_dim), r(B, T, cfg.kv_lora_rank), r(B, T, cfg.qk_rope_head_dim)
     kvb = r(Hm * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank) * 0.2
     idx = topk_reference(r(B, T, T), visible_keys(seg), 3)
+    vis = visible_keys(seg)[:, 3:]                                 # 3 queries over 6 keys (a cached call's shape)
     E, m, Z, N = cfg.num_experts, cfg.moe_intermediate_size, cfg.routed_expert_hidden_size, 12
     z = torch.randn(N, Z)
     eidx = torch.stack([torch.randperm(E)[:2] for _ in range(N)])
@@ -80,9 +81,9 @@ def _op_samples():
         "kda_recurrent": (ops.kda_recurrent, (q, k, v, g, beta, 0.3, s0, reset)),
         "kda_chunk": (ops.kda_chunk, (q, k, v, g, beta, 0.3, s0, reset, 4)),
         "kda_step": (ops.kda_step, (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], 0.3, s0)),
-        "indexer_topk": (ops.indexer_topk_op, (r(B, T, 2, 8), r(B, T, 8), r(B, T, 2), seg, 4)),
-        "sparse_mla_eager": (ops.sparse_mla_eager, (qm, c, kpe, kvb, seg, idx, cfg.softmax_scale, True)),
-        "sparse_mla_sdpa": (ops.sparse_mla_sdpa, (qm, c, kpe, kvb, seg, None, cfg.softmax_scale, False)),
+        "indexer_topk": (ops.indexer_topk_op, (r(B, 3, 2, 8), r(B, T, 8), r(B, 3, 2), vis, 4)),
+        "sparse_mla_eager": (ops.sparse_mla_eager, (qm, c, kpe, kvb, visible_keys(seg), idx, cfg.softmax_scale, True)),
+        "sparse_mla_sdpa": (ops.sparse_mla_sdpa, (qm[:, 3:], c, kpe, kvb, vis, None, cfg.softmax_scale, False)),
         "moe_experts_dense": (ops.moe_experts_dense, (z, eidx, w, *ex, 4.0, 25.0)),
         "moe_experts_grouped": (ops.moe_experts_grouped, (z, eidx, w, *ex, 4.0, None)),
         "grouped_mm": (torch.ops.kimi.grouped_mm.default, (torch.randn(12, 16), torch.randn(4, 16, 8), offs)),
