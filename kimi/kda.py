@@ -42,8 +42,35 @@ from .common import compile_region, compute_dtype, linear
 SUB_CHUNK = 16  # BC: rows of one pairwise (diagonal) block, KDA.md §8.2
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (`_scan` applies it to the scan's outputs).
+
+    Works around a torch 2.13 scan bug: scan's backward replays the step's joint graph, traced by AOTAutograd for
+    output gradients laid out like the step's outputs (contiguous), on slices of whatever gradient reaches the
+    stacked outputs. With Inductor's decompositions that graph holds hard `view`s (a batched matmul flattening
+    [B, H, C, V] to [B*H, C, V]), so a gradient in the consumer's layout (KDA's o [B, T, H, V] seen as
+    [N, B, H, C, V]) fails to trace: "Cannot view a tensor with shape [2, 4, 64, 32] and strides
+    (16384, 32, 128, 1) as (8, 64, 32)". Plain aot_eager keeps `reshape` and passes; Inductor and
+    aot_eager_decomp_partition fail (tests/test_compile.py::test_inductor_forward_backward_equals_eager is that
+    case: T = 128, two unpadded chunks). The cost is one contiguous copy of the gradient.
+    """
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def _scan(step, state: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-    """state, ys = fold of `step(state, x) -> (state, y)` over dim 0 of xs; ys stacked on dim 0.
+    """state, ys = fold of `step(state, x) -> (state, y)` over dim 0 of xs; ys stacked on dim 0. `step` must
+    return contiguous tensors (their gradients are made contiguous to match, see `_ContiguousGrad`).
 
     Eager: a Python loop. Under torch.compile: the `scan` higher-order op, so the loop is one graph node whose
     length may be symbolic (no unrolling, no recompile per sequence length). The eager `scan` would re-trace
@@ -51,7 +78,8 @@ def _scan(step, state: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
     """
     if torch.compiler.is_compiling():
         from torch._higher_order_ops.scan import scan
-        return scan(step, state, xs)
+        state, ys = scan(step, state, xs)
+        return _ContiguousGrad.apply(state), _ContiguousGrad.apply(ys)
     ys = []
     for i in range(xs[0].shape[0]):
         state, y = step(state, tuple(x[i] for x in xs))
@@ -59,7 +87,6 @@ def _scan(step, state: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
     if not ys:
         raise ValueError("KDA needs at least one token")
     return state, torch.stack(ys)
-
 
 # ---------------------------------------------------------------------------------------------- gate, conv, norms
 

@@ -2,10 +2,11 @@
 break, forward and backward, for every CPU backend; compiled == eager (outputs and gradients); recompiles stay
 bounded over a sweep of lengths and batch sizes.
 
-Graph capture (Dynamo + AOTAutograd, which traces forward and backward) is tested with the `aot_eager` backend for
-the whole backend matrix; Inductor code generation, which costs minutes of C++ compilation on 2 cores, runs once
-on the default backend. Compile tests use a 2-layer model (KDA + dense MLP, gated MLA with indexer + MoE) that
-keeps every kind of layer.
+Graph capture (Dynamo + AOTAutograd, which traces forward and backward) is tested for the whole backend matrix with
+the `aot_eager_decomp_partition` backend: the graphs Inductor would see (its decompositions, the fwd/bwd
+partition), run by eager kernels. Inductor code generation, which costs minutes of C++ compilation on 2 cores, runs
+once on the default backend. Compile tests use a 2-layer model (KDA + dense MLP, gated MLA with indexer + MoE)
+that keeps every kind of layer, and sequences of two KDA chunks (T > 64) so the chunk hand-off scan really loops.
 """
 
 import dataclasses
@@ -141,8 +142,9 @@ def test_no_graph_breaks(params, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fullgraph_forward_backward_equals_eager(params, backend):
-    ids, doc = _batch()
-    compiled = torch.compile(kimi.forward, fullgraph=True, backend="aot_eager")
+    """T = 100: two KDA chunks, the second right-padded, a document boundary inside the first."""
+    ids, doc = _batch(2, 100)
+    compiled = torch.compile(kimi.forward, fullgraph=True, backend="aot_eager_decomp_partition")
     out, grads = _loss_and_grads(params, ids, doc, backend, compiled)
     ref, ref_grads = _loss_and_grads(params, ids, doc, backend, kimi.forward)
     assert rel_err(out, ref) < 1e-6
@@ -151,11 +153,11 @@ def test_fullgraph_forward_backward_equals_eager(params, backend):
 
 
 def test_inductor_forward_backward_equals_eager(params):
-    """The default backend through Inductor's generated code (the slow one: C++ compilation). T = 24 is one KDA
-    chunk. Known gap: at T = 128 (two chunks) CPU Inductor on torch 2.13 fails while lowering the backward of the
-    chunk hand-off scan ("Cannot view a tensor ... strides (16384, 32, 128, 1)"); CUDA Inductor (torch 2.11)
-    compiles the same code at T = 2048 and its gradients match eager."""
-    ids, doc = _batch()
+    """The default backend through Inductor's generated code (the slow one: C++ compilation). T = 128 is two full
+    KDA chunks: nothing is padded, so the gradient reaching the chunk hand-off scan keeps the consumer's
+    [B, T, H, V] layout; before `kimi.kda._ContiguousGrad` this failed to compile ("Cannot view a tensor with
+    shape [2, 4, 64, 32] and strides (16384, 32, 128, 1) as (8, 64, 32)")."""
+    ids, doc = _batch(2, 128)
     backend = kimi.Backend()
     compiled = torch.compile(kimi.forward, fullgraph=True)
     out, grads = _loss_and_grads(params, ids, doc, backend, compiled)
