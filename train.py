@@ -504,6 +504,10 @@ def build_fsdp(params, adapters, ctx: dict, compile_units: bool) -> _Root:
     """Shard the tree over all processes: one FSDP2 unit per decoder layer, the root unit for the rest."""
     from torch.distributed.fsdp import fully_shard
 
+    # A layer returns the attention-residual entries R, some of which are views; nothing here updates a unit's
+    # output in place (the case that warning is about), so it is noise on every call.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
     flat = dict(tree_items(params))
     layers = []
     ctx["index"] = {}
