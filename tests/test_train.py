@@ -279,3 +279,14 @@ def test_fsdp_two_processes_match_one(setup, tmp_path):
     for (path, a), (_, b) in zip(tree_items(pa), tree_items(pb)):
         moved = (a - p0[path]).norm()
         assert (a - b).norm() <= 1e-4 * moved + 1e-7, path
+
+
+def test_model_flops_and_unflatten():
+    cfg = small_cfg()
+    n = kimi.param_count(cfg, active=True, embedding=False)
+    f64, f128 = train.model_flops_per_token(cfg, 64), train.model_flops_per_token(cfg, 128)
+    assert 6 * n * 0.9 < f64 < f128 < 6 * n * 2        # indexer counted once, not 6 times; attention grows with T
+    params = kimi.init_params(cfg, seed=0)
+    back = train.unflatten(dict(tree_items(params)))
+    got, want = list(tree_items(back)), list(tree_items(params))
+    assert [p for p, _ in got] == [p for p, _ in want] and all(a is b for (_, a), (_, b) in zip(got, want))
