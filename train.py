@@ -99,7 +99,7 @@ class TrainConfig:
     data: DataConfig = DataConfig()
     lora: LoRAConfig = LoRAConfig()
 
-    steps: int = 150
+    steps: int = 100
     """Optimizer steps."""
     batch_size: int = 8
     """Rows per optimizer step, over all processes (the global batch)."""
