@@ -1,15 +1,17 @@
 """Training-step throughput: tokens/s, MFU and peak memory of train.py's step (compiled loss, fp32 master weights,
 bf16 compute, fused AdamW, clipping) on one device, random weights.
 
-    python tests/bench/train.py                                  # one H200: K3.1 Pro widths, 4 layers, 16 experts
+    python tests/bench/train.py                                  # one H200: K3.1 Pro widths, 4 layers, 8 experts
     python tests/bench/train.py --device cpu --preset tiny --batch 2 --seq 64 --steps 2
 
 The scaled preset (default `k3_1_pro`) keeps every per-layer width of the release (hidden 7168, 96 KDA heads x 128,
 96 MLA heads 128/64/128 with q/kv ranks 1536/512, expert width 3072 in latent 3584, 2 shared experts, top-16
 routing, indexer 64 x 128 top-2048, vocabulary 163840) and its layer pattern (a dense first layer, KDA, gated MLA
 every 4th and last), with fewer layers and fewer routed experts so that weights, gradients and AdamW state (16
-bytes a parameter) fit one GPU: 4 layers and 16 experts are 6.8B parameters, ~109 GB of training state.
-`--experts` equal to top-k means every expert is active, which is the per-token compute of the release.
+bytes a parameter) plus the bf16 weight copies and activations fit one GPU: 4 layers and 8 experts (top-8) are
+6.0B parameters, ~96 GB of training state (16 experts, top-16: 6.8B, ~109 GB, tight at 4096 tokens). With top-k
+equal to the expert count every expert GEMM sees all B·T rows (its width is the release's; how many rows an
+expert gets in the release depends on the batch and expert parallelism).
 
 Model FLOPs per token: `train.model_flops_per_token` (6 x active matmul parameters, plus the attention,
 KDA-state and indexer terms, documented there). MFU = tokens/s x FLOPs per token / peak (dense bf16: 989 TFLOP/s
@@ -135,7 +137,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="k3_1_pro")
     ap.add_argument("--layers", type=int, default=None, help="default: 4 for the release presets, preset's own else")
-    ap.add_argument("--experts", type=int, default=None, help="routed experts (default: 16 for the release presets)")
+    ap.add_argument("--experts", type=int, default=None, help="routed experts (default: 8 for the release presets)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
@@ -147,7 +149,7 @@ def main():
     a = ap.parse_args()
     if a.preset in ("k3", "k3_1_pro"):
         a.layers = a.layers or 4
-        a.experts = a.experts or 16
+        a.experts = a.experts or 8
     r = bench(a)
     print(f"\nFLOPs per token {r['flops_per_token'] / 1e9:.3g} G; warm-up (compile) {r['warm_s']:.0f} s")
     print("| model | params | active | device | B x T | compiled | step ms | tokens/s | TFLOP/s | MFU | peak GB |")
