@@ -1,0 +1,163 @@
+"""Training-step throughput: tokens/s, MFU and peak memory of train.py's step (compiled loss, fp32 master weights,
+bf16 compute, fused AdamW, clipping) on one device, random weights.
+
+    python tests/bench/train.py                                  # one H200: K3.1 Pro widths, 4 layers, 8 experts
+    python tests/bench/train.py --device cpu --preset tiny --batch 2 --seq 64 --steps 2
+
+The scaled preset (default `k3_1_pro`) keeps every per-layer width of the release (hidden 7168, 96 KDA heads x 128,
+96 MLA heads 128/64/128 with q/kv ranks 1536/512, expert width 3072 in latent 3584, 2 shared experts, top-16
+routing, indexer 64 x 128 top-2048, vocabulary 163840) and its layer pattern (a dense first layer, KDA, gated MLA
+every 4th and last), with fewer layers and fewer routed experts so that weights, gradients and AdamW state (16
+bytes a parameter) plus the bf16 weight copies and activations fit one GPU: 4 layers and 8 experts (top-8) are
+6.0B parameters, ~96 GB of training state (16 experts, top-16: 6.8B, ~109 GB, tight at 4096 tokens). With top-k
+equal to the expert count every expert GEMM sees all B·T rows (its width is the release's; how many rows an
+expert gets in the release depends on the batch and expert parallelism).
+
+Model FLOPs per token: `train.model_flops_per_token` (6 x active matmul parameters, plus the attention,
+KDA-state and indexer terms, documented there). MFU = tokens/s x FLOPs per token / peak (dense bf16: 989 TFLOP/s
+on an H100/H200). Timing: `--warmup` steps (compilation), then the median of `--steps` steps, synchronized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import kimi  # noqa: E402
+import train  # noqa: E402
+from kimi.config import KDAConfig, _k3_layer_lists  # noqa: E402
+from kimi.params import param_specs, tree_items, tree_map  # noqa: E402
+
+
+def scaled(preset: str, layers: int | None, experts: int | None) -> kimi.ModelConfig:
+    cfg = kimi.preset(preset)
+    changes = {}
+    if layers is not None:
+        kda, full = _k3_layer_lists(layers)
+        la = cfg.linear_attn_config
+        changes |= dict(num_hidden_layers=layers, first_k_dense_replace=min(cfg.first_k_dense_replace, layers),
+                        attn_res_block_size=None if cfg.attn_res_block_size is None else
+                        min(cfg.attn_res_block_size, max(1, layers // 2)),
+                        linear_attn_config=KDAConfig(**(dataclasses.asdict(la) | dict(kda_layers=kda,
+                                                                                     full_attn_layers=full))))
+    if experts is not None:
+        changes |= dict(num_experts=experts, num_experts_per_token=min(cfg.num_experts_per_token, experts),
+                        num_expert_group=1, topk_group=1)
+    return dataclasses.replace(cfg, **changes)
+
+
+def random_params(cfg: kimi.ModelConfig, device: torch.device):
+    """fp32 master weights drawn on the device (fast for billions of parameters; values only need to be sane)."""
+    def make(path, spec):
+        t = torch.empty(spec.shape, dtype=torch.float32, device=device)
+        if spec.init == "ones":
+            t.fill_(1.0)
+        elif spec.init == "zeros":
+            t.zero_()
+        elif spec.init == "a_log":
+            t.uniform_(1.0, 16.0).log_()
+        elif spec.init == "conv":
+            t.uniform_(-0.5, 0.5)
+        else:
+            t.normal_(0.0, cfg.initializer_range if spec.init != "lm_head" else spec.shape[-1] ** -0.5)
+        return torch.nn.Parameter(t, requires_grad=spec.trainable)
+    return tree_map(make, param_specs(cfg))
+
+
+def bench(a) -> dict:
+    device = torch.device(a.device)
+    cfg = scaled(a.preset, a.layers, a.experts)
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    use_compile = a.compile if a.compile is not None else device.type == "cuda"
+    torch.manual_seed(0)
+    params = random_params(cfg, device)
+    named = {p: v for p, v in tree_items(params) if v.requires_grad}
+    opt = torch.optim.AdamW(list(named.values()), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0,
+                            fused=device.type == "cuda")
+    fp32_paths = frozenset(p for p, s in tree_items(param_specs(cfg)) if s.fp32)
+    backend = kimi.Backend(attn=a.attn, kda="chunk", moe="grouped", mla_form=a.mla_form)
+    fn = torch.compile(train.loss_sum, fullgraph=True) if use_compile else train.loss_sum
+    V, B, T = cfg.vocab_size, a.batch, a.seq
+    ids = torch.randint(0, V, (B, T), device=device)
+    labels = torch.roll(ids, -1, dims=1)
+    doc = torch.zeros_like(ids)
+
+    def step():
+        s = fn(params, {}, ids, labels, doc, cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths,
+               lora_scale=1.0)
+        (s / (B * T)).backward()
+        torch.nn.utils.clip_grad_norm_(list(named.values()), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    for _ in range(a.warmup):
+        step()
+    sync()
+    warm_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(a.steps):
+        sync()
+        t = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times)
+    tps = B * T / step_s
+    flops = train.model_flops_per_token(cfg, T)
+    peak = train.peak_flops(device)
+    return dict(model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token}",
+                params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True), shape=f"{B}x{T}",
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
+                flops_per_token=flops, mfu=tps * flops / peak if peak else math.nan,
+                peak_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan)
+
+
+def _n(x: float) -> str:
+    return f"{x / 1e9:.2f}B" if x >= 1e9 else f"{x / 1e6:.1f}M"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default="k3_1_pro")
+    ap.add_argument("--layers", type=int, default=None, help="default: 4 for the release presets, preset's own else")
+    ap.add_argument("--experts", type=int, default=None, help="routed experts (default: 8 for the release presets)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
+    ap.add_argument("--mla-form", default="expanded", choices=["expanded", "absorbed"])
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: on for CUDA, off for CPU")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    a = ap.parse_args()
+    if a.preset in ("k3", "k3_1_pro"):
+        a.layers = a.layers or 4
+        a.experts = a.experts or 8
+    r = bench(a)
+    print(f"\nFLOPs per token {r['flops_per_token'] / 1e9:.3g} G; warm-up (compile) {r['warm_s']:.0f} s")
+    print("| model | params | active | device | B x T | compiled | step ms | tokens/s | TFLOP/s | MFU | peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {r['model']} | {_n(r['params'])} | {_n(r['active'])} | {r['device']} | {r['shape']} | "
+          f"{'yes' if r['compiled'] else 'no'} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.1f} | "
+          f"{r['mfu']:.1%} | {r['peak_gb']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
