@@ -163,7 +163,7 @@ def step_positions(cache: dict, T: int, cfg: ModelConfig) -> Step:
 
 def check_cache(cache, cfg: ModelConfig, input_ids: Tensor, dtype: torch.dtype) -> None:
     """Named errors for a cache that does not fit cfg, the batch, the parameters' dtype or the free slots."""
-    if not isinstance(cache, dict) or not {"pos", "start", "max_len", "layers"} <= cache.keys():
+    if not isinstance(cache, dict) or not all(k in cache for k in ("pos", "start", "max_len", "layers")):
         raise CacheError("cache must be the dict from kimi.init_cache (keys pos, start, max_len, layers)")
     layers, L = cache["layers"], cfg.num_hidden_layers
     if len(layers) != L:
@@ -181,7 +181,7 @@ def check_cache(cache, cfg: ModelConfig, input_ids: Tensor, dtype: torch.dtype) 
             if cfg.has_indexer:
                 want["index_k"] = (B, max_len, cfg.index_head_dim)
         got = {k: tuple(t.shape) for k, t in layer.items()}
-        if got.keys() != want.keys():
+        if sorted(got) != sorted(want):
             raise CacheError(f"cache layer {i} ({kind}) has buffers {sorted(got)}, expected {sorted(want)}: was it "
                              "built for another config?")
         for k, shape in want.items():
