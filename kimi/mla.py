@@ -44,8 +44,8 @@ def select_visible(visible: Tensor, topk_idx: Tensor | None) -> Tensor:
     return sel & visible
 
 
-def _attend_eager(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float, shared_kv: bool) -> Tensor:
-    """q [B, H, T, E], k [B, Hk, S, E], v [B, Hk, S, F] (Hk = 1 if shared_kv else H), keep [B, T, S] -> [B, H, T, F].
+def _attend_eager(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """q [B, H, T, E], k [B, H, S, E], v [B, H, S, F], keep [B, T, S] -> [B, H, T, F].
     Scores in the activation dtype (as Automodel's eager path), softmax in fp32."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     s = s.to(compute_dtype(s.dtype))
@@ -57,13 +57,30 @@ def _attend_eager(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float, s
     return torch.matmul(p.to(v.dtype), v)
 
 
-def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float, shared_kv: bool) -> Tensor:
+def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
     has_key = keep.any(-1)                                                      # [B, T]
     # Rows with no key attend to everything (a valid softmax) and are zeroed after: SDPA kernels return NaN
     # for fully masked rows.
     mask = (keep | ~has_key[..., None])[:, None]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=shared_kv)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, )
     return o * has_key[:, None, :, None].to(o.dtype)
+
+
+def _attend_shared(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """Attention with one K/V shared by all heads (the absorbed form): q [B, H, T, E], k [B, S, E], v [B, S, F],
+    keep [B, T, S] -> [B, H, T, F]. The queries of all heads are one batched matmul against the shared keys, so no
+    per-head copy of K or V is ever made (SDPA's math path and broadcasting matmuls expand K to every head: for a
+    batch-32 decode over 4k cached latents that is a 27 GB fp32 buffer). Scores in the activation dtype, softmax
+    in fp32, rows without keys give 0 (as `_attend_eager`)."""
+    B, H, T, E = q.shape
+    S = k.shape[1]
+    s = torch.bmm(q.transpose(1, 2).reshape(B, T * H, E), k.transpose(1, 2)) * scale     # rows (t, h)
+    s = s.view(B, T, H, S).to(compute_dtype(s.dtype))
+    has_key = keep.any(-1)[:, :, None, None]                                           # [B, T, 1, 1]
+    s = s.masked_fill(~keep[:, :, None], float("-inf")).masked_fill(~has_key, 0.0)
+    p = torch.softmax(s, dim=-1) * has_key
+    o = torch.bmm(p.to(v.dtype).view(B, T * H, S), v)                                  # [B, T·H, F]
+    return o.view(B, T, H, -1).transpose(1, 2)
 
 
 def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, topk_idx: Tensor | None, *,
@@ -75,7 +92,8 @@ def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, seg: Tensor, to
         c: [B, S, R] normalized latent (after kv_a_layernorm); k_pe: [B, S, d_r] shared key slice.
         kv_b: kv_b_proj weight [H·(d_n + d_v), R] (a LoRA effective weight works the same).
         seg: document run ids [B, T] (-1 padding); topk_idx: int32 [B, T, k] selected keys, -1 padded.
-        scale: softmax scale (d_n + d_r)^-1/2 in both forms. attn: 'eager' | 'sdpa'; absorbed: the latent form.
+        scale: softmax scale (d_n + d_r)^-1/2 in both forms. attn: 'eager' | 'sdpa' (the expanded form's kernel;
+            the absorbed form always runs `_attend_shared`); absorbed: the latent form.
     Returns: o [B, T, H, d_v] in q's dtype.
     """
     return sparse_mla_masked(q, c, k_pe, kv_b, indexer.visible_keys(seg), topk_idx, scale=scale, attn=attn,
@@ -98,11 +116,12 @@ def sparse_mla_masked(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible:
         kv = torch.einsum("bsr,hdr->bhsd", c, W)                                # [B, H, S, d_n + d_v]
         k_nope, v = kv.split([dn, dv], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, H, -1, -1)], dim=-1)
-        return attend(q.transpose(1, 2), k, v, keep, scale, False).transpose(1, 2)    # [B, T, H, d_v]
+        return attend(q.transpose(1, 2), k, v, keep, scale).transpose(1, 2)    # [B, T, H, d_v]
     q_lat = torch.einsum("bthd,hdr->bhtr", q_nope, W[:, :dn])                  # W_UK folded into q
     Q = torch.cat([q_lat, q_pe.transpose(1, 2)], dim=-1)                       # [B, H, T, R + d_r]
-    KV = torch.cat([c, k_pe], dim=-1)[:, None]                                 # [B, 1, S, R + d_r]
-    o_lat = attend(Q, KV, c[:, None], keep, scale, True)                           # [B, H, T, R]
+    KV = torch.cat([c, k_pe], dim=-1)                                          # [B, S, R + d_r]
+    # One latent K/V for all heads: both `attn` backends run the shared-KV kernel (SDPA would expand it per head).
+    o_lat = _attend_shared(Q, KV, c, keep, scale)                              # [B, H, T, R]
     return torch.einsum("bhtr,hdr->bthd", o_lat, W[:, dn:])                    # W_UV after attention
 
 
