@@ -70,9 +70,9 @@ def grad_norms(out: Path) -> list[float]:
 def test_loss_falls_and_export_loads(setup, tmp_path):
     cfg, ckpt, corpus = setup
     out = tmp_path / "run"
-    summary = train.train(config(ckpt, corpus, out, steps=8, batch_size=4, micro_batch_size=4, lr=1e-2))
+    summary = train.train(config(ckpt, corpus, out, steps=6, batch_size=4, micro_batch_size=4, lr=1e-2))
     got = losses(out)
-    assert len(got) == 8 and got[-1] < got[0] - 1.0, got
+    assert len(got) == 6 and got[-1] < got[0] - 1.0, got
     png = (out / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and zlib.crc32(png[12:29]) == int.from_bytes(png[29:33], "big")
     assert summary["eval_loss"] is not None and summary["tokens_per_s"] > 0
