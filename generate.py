@@ -224,6 +224,8 @@ class Args:
     backend: kimi.Backend = kimi.Backend(mla_form="absorbed")
     stream: bool = True
     """Print tokens as they come (one prompt only)."""
+    bos: bool = True
+    """Start raw (non-chat) prompts with [BOS], as train.py's text documents do. Chat prompts never get one."""
 
 
 def _read_prompts(a: Args, tok: Tokenizer) -> list[list[int]]:
@@ -237,7 +239,7 @@ def _read_prompts(a: Args, tok: Tokenizer) -> list[list[int]]:
     def one(text: str, where: str) -> list[int]:
         if not text.strip():
             raise GenerateError(f"{where}: the prompt is empty")
-        return as_chat(text) if a.chat else tok.encode(text)
+        return as_chat(text) if a.chat else [tok.bos_id] * a.bos + tok.encode(text)
 
     given = [x is not None for x in (a.prompt, a.prompts_file, a.messages)]
     if sum(given) != 1:

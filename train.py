@@ -56,6 +56,8 @@ from kimi.config import ModelConfig
 from kimi.model import attn_res_mix, decoder_layer, document_runs
 from kimi.common import rms_norm
 from kimi.params import leaf_dtype, param_specs, to_dtype, tree_items, tree_map
+from kimi.tokenizer import Tokenizer
+from kimi.tokenizer import load_tokenizer as kimi_load_tokenizer
 
 IGNORE = -100
 """Label of a position that is not trained on (padding, prompt tokens, the last token of a document)."""
@@ -178,43 +180,9 @@ class TrainingDiverged(RuntimeError):
 
 # ============================================================================================== tokenizer
 
-def load_tokenizer(checkpoint: str | None, cfg: ModelConfig):
-    """kimi.tokenizer's tokenizer (the checkpoint's BPE, or its byte-level fallback)."""
-    try:
-        from kimi.tokenizer import load_tokenizer as load
-    except ImportError:
-        return ByteTokenizerShim()
-    return load(checkpoint, cfg)
-
-
-class ByteTokenizerShim:
-    """TEMPORARY stand-in until kimi/tokenizer.py lands (same interface; the lead replaces it): bytes are ids
-    0..255, special ids follow. Not the release tokenizer and not its chat format."""
-
-    vocab_size = 263
-    bos_id, eos_id, pad_id = 256, 257, 258
-    _OPEN, _CLOSE, _SEP, _END = 259, 260, 261, 262
-    stop_ids = (257, 262)
-
-    def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-    def encode_chat(self, messages, *, add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
-        ids, mask = [], []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"message {i} must be an object with string 'role' and 'content'")
-            part = ([self._OPEN] + self.encode(f'message role="{m["role"]}"') + [self._SEP] + self.encode(m["content"])
-                    + [self._CLOSE] + self.encode("message") + [self._SEP, self._END])
-            ids += part
-            mask += [m["role"] == "assistant"] * len(part)
-        if add_generation_prompt:
-            part = [self._OPEN] + self.encode('message role="assistant"') + [self._SEP]
-            ids, mask = ids + part, mask + [False] * len(part)
-        return ids, mask
+def load_tokenizer(checkpoint: str | None, cfg: ModelConfig) -> Tokenizer:
+    """The checkpoint's tokenizer (its `tiktoken.model`), or the byte-level fallback (fresh presets, tiny models)."""
+    return kimi_load_tokenizer(checkpoint, cfg)
 
 
 # ============================================================================================== data
@@ -1030,4 +998,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:   # DataError, CheckpointError, TokenizerError, LoRAError, bad config values
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -103,10 +103,11 @@ def test_cli_batch_file_and_stream(ckpt, tmp_path):
     out, err = io.StringIO(), io.StringIO()
     res = gen.run(gen.Args(checkpoint=ckpt, prompts_file=f, max_new_tokens=3, ignore_stop=True), out, err)
     assert len(res.tokens) == 2 and out.getvalue().count("--- ") == 2
-    assert "prefill: 33 tokens" in err.getvalue()
+    assert "prefill: 35 tokens" in err.getvalue()   # 12 + 21 bytes, each after [BOS]
     out = io.StringIO()
-    res = gen.run(gen.Args(checkpoint=ckpt, prompt="hi", max_new_tokens=3, ignore_stop=True,
+    res = gen.run(gen.Args(checkpoint=ckpt, prompt="hi", max_new_tokens=3, ignore_stop=True, bos=False,
                            sampling=gen.Sampling(temperature=0)), out, io.StringIO())
+    assert res.prompt_tokens == 2
     tok = kimi.tokenizer.ByteTokenizer()
     assert out.getvalue() == tok.decode(res.tokens[0]) + "\n"
 

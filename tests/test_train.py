@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kimi
+from kimi.tokenizer import ByteTokenizer
 from kimi import lora
 from kimi.params import tree_items
 
@@ -176,7 +177,7 @@ def test_lora_targets():
 def test_packed_and_padded_rows_give_the_same_loss(setup):
     cfg, ckpt, corpus = setup
     _, params = kimi.load_checkpoint(ckpt)
-    tok = train.ByteTokenizerShim()
+    tok = ByteTokenizer()
     docs = train.read_documents([corpus], tok)[:8]
     results = []
     for pack in (True, False):
@@ -191,7 +192,7 @@ def test_packed_and_padded_rows_give_the_same_loss(setup):
 
 
 def test_chat_loss_only_on_assistant_tokens():
-    tok = train.ByteTokenizerShim()
+    tok = ByteTokenizer()
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     doc = train._chat_document(msgs, tok, "x")
     ids, mask = tok.encode_chat(msgs)
@@ -201,7 +202,7 @@ def test_chat_loss_only_on_assistant_tokens():
 
 
 def test_bad_data_errors(tmp_path):
-    tok = train.ByteTokenizerShim()
+    tok = ByteTokenizer()
     with pytest.raises(train.DataError, match="does not exist"):
         train.read_documents([tmp_path / "nope.jsonl"], tok)
     bad = tmp_path / "bad.jsonl"
