@@ -51,8 +51,8 @@ class _ContiguousGrad(torch.autograd.Function):
     [B, H, C, V] to [B*H, C, V]), so a gradient in the consumer's layout (KDA's o [B, T, H, V] seen as
     [N, B, H, C, V]) fails to trace: "Cannot view a tensor with shape [2, 4, 64, 32] and strides
     (16384, 32, 128, 1) as (8, 64, 32)". Plain aot_eager keeps `reshape` and passes; Inductor and
-    aot_eager_decomp_partition fail (tests/test_compile.py::test_inductor_forward_backward_equals_eager is that
-    case: T = 128, two unpadded chunks). The cost is one contiguous copy of the gradient.
+    aot_eager_decomp_partition fail (tests/test_compile.py: test_scan_gradient_in_consumer_layout, and
+    test_inductor_forward_backward_equals_eager at T = 128). The cost is one contiguous copy of the gradient.
     """
 
     @staticmethod

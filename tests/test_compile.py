@@ -130,6 +130,30 @@ def test_kda_step_continues_the_recurrence():
     assert rel_err(o9, o[:, 8]) < 1e-13 and rel_err(S9, S) < 1e-13
 
 
+def test_scan_gradient_in_consumer_layout():
+    """kimi.kda._scan under Inductor's decompositions when the gradient of the stacked outputs arrives in the
+    consumer's layout (here [B, T, H, V] seen as [N, B, H, C, V], as KDA's o is). torch 2.13's scan backward
+    replays a step graph traced for contiguous gradients; without `_ContiguousGrad` this fails with "Cannot view
+    a tensor with shape [2, 3, 16, 8] and strides ..."."""
+    from kimi.kda import _scan
+
+    def f(S, xs, probe):
+        def step(S, x):  # S [B, H, K, V], x = (a [B, H, C, K],): batched matmuls, as in KDA's hand-off
+            a, = x
+            return S * 0.9 + a.transpose(-1, -2) @ a, a @ S
+        S, ys = _scan(step, S, (xs,))                                                      # ys [N, B, H, C, V]
+        N, B, H, C, V = ys.shape
+        return ((ys.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V) * probe).sum() + S.square().sum())
+
+    S0, xs, probe = torch.randn(2, 3, 8, 8), torch.randn(2, 2, 3, 16, 8), torch.randn(2, 32, 3, 8)
+    grads = []
+    for fn in (torch.compile(f, fullgraph=True, backend="aot_eager_decomp_partition"), f):
+        S, x = S0.clone().requires_grad_(), xs.clone().requires_grad_()
+        fn(S, x, probe).backward()
+        grads.append((S.grad, x.grad))
+    assert rel_err(grads[0][0], grads[1][0]) < 1e-6 and rel_err(grads[0][1], grads[1][1]) < 1e-6
+
+
 # ---------------------------------------------------------------------------------------------- whole model
 
 @pytest.mark.parametrize("backend", [None, *BACKENDS[1:]])
