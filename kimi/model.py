@@ -19,6 +19,9 @@ document start.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -53,22 +56,38 @@ def document_runs(document_ids: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(document_ids < 0, -1, seg), reset
 
 
+def layer_plan(cfg: ModelConfig, i: int) -> tuple[str, bool, bool]:
+    """What layer i is: (attention kind 'kda' | 'mla', MoE FFN (else dense MLP), opens an attention-residual
+    block). Layers with the same plan run the same code on same-shaped parameters."""
+    block = cfg.attn_res_block_size
+    return cfg.layer_types[i], cfg.is_moe_layer(i), block is not None and i % block == 0
+
+
 def decoder_layer(p: dict, h: Tensor, R: list[Tensor], i: int, cfg: ModelConfig, backend: Backend, *,
                   seg: Tensor | None, reset: Tensor | None, cache: dict | None = None,
                   step: Step | None = None) -> tuple[Tensor, list[Tensor]]:
     """Layer i. h [B, T, D] is the layer input (the current block's partial sum); R the closed entries.
     Returns (h', R'). cache: this layer's cache dict (kimi/cache.py), step: where the new tokens sit."""
+    return layer_step(p, h, R, layer_plan(cfg, i), cfg, backend, seg=seg, reset=reset, cache=cache, step=step)
+
+
+def layer_step(p: dict, h: Tensor, R: list[Tensor], plan: tuple[str, bool, bool], cfg: ModelConfig,
+               backend: Backend, *, seg: Tensor | None, reset: Tensor | None, cache: dict | None = None,
+               step: Step | None = None) -> tuple[Tensor, list[Tensor]]:
+    """`decoder_layer` given the layer's `layer_plan` instead of its index, so one compiled graph of it serves
+    every layer with the same plan (`compile_layers`)."""
+    kind, is_moe, opens_block = plan
     eps = cfg.rms_norm_eps
 
     def attn(a_in):
         a = rms_norm(a_in, p["input_layernorm"], eps)
-        if cfg.layer_types[i] == "kda":
+        if kind == "kda":
             return kda.kda_layer(p["self_attn"], a, cfg, backend, reset=reset, cache=cache, step=step)
         return mla.gated_mla(p["self_attn"], a, cfg, backend, seg=seg, cache=cache, step=step)
 
     def ffn(m_in):
         m = rms_norm(m_in, p["post_attention_layernorm"], eps)
-        if cfg.is_moe_layer(i):
+        if is_moe:
             return moe.latent_moe(p["block_sparse_moe"], m, cfg, backend)
         return moe.mlp(p["mlp"], m, cfg)
 
@@ -77,7 +96,7 @@ def decoder_layer(p: dict, h: Tensor, R: list[Tensor], i: int, cfg: ModelConfig,
         return h + ffn(h), R
     P = h
     a_in = attn_res_mix(P, R, p["self_attention_res_norm"], p["self_attention_res_proj"], eps) if R else P
-    if i % cfg.attn_res_block_size == 0:
+    if opens_block:
         R, P = [*R, P], None                   # close the block: its sum becomes a frozen entry
     a_out = attn(a_in)
     P = a_out if P is None else P + a_out
@@ -106,7 +125,32 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
     return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=None)
 
 
-def _forward(params, input_ids, config, backend, *, document_ids, cache):
+def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dict]]:
+    """`forward` with its decoder layers run through one `torch.compile`d `layer_step` (regional compilation).
+
+    Layers with the same `layer_plan` and the same number of closed attention-residual entries share one compiled
+    graph, so compile time grows with the number of distinct layer kinds, not with depth: the release's 93 layers
+    are a few dozen graphs, not one graph 93 layers long. (`torch.compiler.nested_compile_region` would do this
+    inside one fullgraph, but it gives wrong gradients for reused regions with Inductor on torch 2.11 CUDA and
+    2.13 CPU; see common.py.) Embedding, the output mix and the head run eagerly; the layer loop is Python.
+    `compile_kwargs` go to `torch.compile` (e.g. `dynamic=True`, `backend=...`). Same signature as `forward`.
+    Raises Dynamo's per-function recompile limit so that every distinct layer gets its graph."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
+                                                           1024)
+    compiled = torch.compile(layer_step, **compile_kwargs)
+
+    def regional_forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
+                         document_ids: Tensor | None = None, cache: dict | None = None):
+        with torch.no_grad() if cache is not None else contextlib.nullcontext():
+            return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache,
+                            layer=compiled)
+
+    regional_forward.__doc__ = forward.__doc__
+    return regional_forward
+
+
+def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=layer_step):
     backend = backend or DEFAULT_BACKEND
     cfg = config
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -133,8 +177,8 @@ def _forward(params, input_ids, config, backend, *, document_ids, cache):
     h = torch.nn.functional.embedding(input_ids, m["embed_tokens"]["weight"])
     R: list[Tensor] = []
     for i, p in enumerate(m["layers"]):
-        h, R = decoder_layer(p, h, R, i, cfg, backend, seg=seg, reset=reset,
-                             cache=None if cache is None else cache["layers"][i], step=step)
+        h, R = layer(p, h, R, layer_plan(cfg, i), cfg, backend, seg=seg, reset=reset,
+                     cache=None if cache is None else cache["layers"][i], step=step)
     if cfg.attn_res_block_size is not None:
         h = attn_res_mix(h, R, m["output_attn_res_norm"], m["output_attn_res_proj"], cfg.rms_norm_eps)
     h = rms_norm(h, m["norm"], cfg.rms_norm_eps)

@@ -35,7 +35,7 @@ def _time(fn, device, iters):
     return statistics.median(times) * 1e3
 
 
-def bench(preset: str, device: str, batch: int, seq: int, iters: int) -> list[dict]:
+def bench(preset: str, device: str, batch: int, seq: int, iters: int, regional: bool = False) -> list[dict]:
     cfg = kimi.preset(preset)
     dtype = "bfloat16" if device == "cuda" else "float32"
     params = kimi.init_params(cfg, seed=0, dtype=dtype, device=device)
@@ -54,7 +54,8 @@ def bench(preset: str, device: str, batch: int, seq: int, iters: int) -> list[di
 
     rows = []
     torch._dynamo.reset()
-    compiled = torch.compile(kimi.forward, fullgraph=True, dynamic=False)
+    compiled = (kimi.compile_layers(fullgraph=True, dynamic=False) if regional
+                else torch.compile(kimi.forward, fullgraph=True, dynamic=False))
     for name, step in (("forward", fwd), ("forward+backward", fwd_bwd)):
         step(kimi.forward)                                      # eager warm-up
         eager = _time(lambda: step(kimi.forward), device, iters)
@@ -79,13 +80,15 @@ def main():
     ap.add_argument("--batch", type=int, default=None, help="default: 2 (CPU) / 4 (CUDA)")
     ap.add_argument("--seq", type=int, default=None, help="default: 128 (CPU) / 2048 (CUDA)")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--regional", action="store_true",
+                    help="kimi.compile_layers (one graph per distinct layer) instead of one whole-model graph")
     a = ap.parse_args()
     rows = []
     for device in a.devices:
         for preset in a.presets:
             batch = a.batch or (4 if device == "cuda" else 2)
             seq = a.seq or (2048 if device == "cuda" else 128)
-            rows += bench(preset, device, batch, seq, a.iters)
+            rows += bench(preset, device, batch, seq, a.iters, a.regional)
     print()
     print(f"| preset | device | B x T | pass | eager ms | compiled ms | speedup | compile s |")
     print(f"|---|---|---|---|---|---|---|---|")
