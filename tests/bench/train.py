@@ -21,7 +21,6 @@ on an H100/H200). Timing: `--warmup` steps (compilation), then the median of `--
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import statistics
 import sys
@@ -33,52 +32,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kimi  # noqa: E402
 import train  # noqa: E402
-from kimi.config import KDAConfig, _k3_layer_lists  # noqa: E402
-from kimi.params import param_specs, tree_items, tree_map  # noqa: E402
-
-
-def scaled(preset: str, layers: int | None, experts: int | None) -> kimi.ModelConfig:
-    cfg = kimi.preset(preset)
-    changes = {}
-    if layers is not None:
-        kda, full = _k3_layer_lists(layers)
-        la = cfg.linear_attn_config
-        changes |= dict(num_hidden_layers=layers, first_k_dense_replace=min(cfg.first_k_dense_replace, layers),
-                        attn_res_block_size=None if cfg.attn_res_block_size is None else
-                        min(cfg.attn_res_block_size, max(1, layers // 2)),
-                        linear_attn_config=KDAConfig(**(dataclasses.asdict(la) | dict(kda_layers=kda,
-                                                                                     full_attn_layers=full))))
-    if experts is not None:
-        changes |= dict(num_experts=experts, num_experts_per_token=min(cfg.num_experts_per_token, experts),
-                        num_expert_group=1, topk_group=1)
-    return dataclasses.replace(cfg, **changes)
-
-
-def random_params(cfg: kimi.ModelConfig, device: torch.device):
-    """fp32 master weights drawn on the device (fast for billions of parameters; values only need to be sane)."""
-    def make(path, spec):
-        t = torch.empty(spec.shape, dtype=torch.float32, device=device)
-        if spec.init == "ones":
-            t.fill_(1.0)
-        elif spec.init == "zeros":
-            t.zero_()
-        elif spec.init == "a_log":
-            t.uniform_(1.0, 16.0).log_()
-        elif spec.init == "conv":
-            t.uniform_(-0.5, 0.5)
-        else:
-            t.normal_(0.0, cfg.initializer_range if spec.init != "lm_head" else spec.shape[-1] ** -0.5)
-        return torch.nn.Parameter(t, requires_grad=spec.trainable)
-    return tree_map(make, param_specs(cfg))
+from kimi.config import scaled  # noqa: E402
+from kimi.params import param_specs, tree_items  # noqa: E402
 
 
 def bench(a) -> dict:
     device = torch.device(a.device)
-    cfg = scaled(a.preset, a.layers, a.experts)
+    cfg = scaled(kimi.preset(a.preset), num_layers=a.layers, num_experts=a.experts)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     use_compile = a.compile if a.compile is not None else device.type == "cuda"
     torch.manual_seed(0)
-    params = random_params(cfg, device)
+    # fp32 master weights drawn on the device (fast for billions of parameters; the values only need to be sane)
+    params = kimi.init_params(cfg, seed=0, dtype="float32", device=device, draw_on_device=True)
     named = {p: v for p, v in tree_items(params) if v.requires_grad}
     opt = torch.optim.AdamW(list(named.values()), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=device.type == "cuda")
