@@ -94,10 +94,13 @@ class Result:
         return "\n".join(lines)
 
 
-def make_steps(cfg: kimi.ModelConfig, backend: kimi.Backend, compile: bool) -> tuple[Callable, Callable]:
+def make_steps(cfg: kimi.ModelConfig, backend: kimi.Backend, compile: bool,
+               compile_options: dict | None = None) -> tuple[Callable, Callable]:
     """(prefill, decode): each takes (params, ids [B, T], cache) and returns the last position's logits [B, V].
     Compiled, the decode step is one CUDA graph (static shapes, cache at static addresses) and the prefill
-    compiles once for dynamic lengths."""
+    compiles once per distinct layer for dynamic lengths. `compile_options` go to `torch.compile` (they override
+    the decode step's mode)."""
+    compile_options = compile_options or {}
 
     def step(params, ids, cache):
         logits, _ = kimi.forward(params, ids, cfg, backend, cache=cache)
@@ -105,8 +108,15 @@ def make_steps(cfg: kimi.ModelConfig, backend: kimi.Backend, compile: bool) -> t
 
     if not compile:
         return step, step
-    prefill = torch.compile(step, fullgraph=True, dynamic=True)
-    decode = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    # Prefill: regional compilation (one graph per distinct layer, dynamic lengths) keeps compile time
+    # independent of depth. Decode: the whole step in one graph, so that it is one CUDA graph.
+    regional = kimi.compile_layers(fullgraph=True, dynamic=True, **compile_options)
+
+    def prefill(params, ids, cache):
+        logits, _ = regional(params, ids, cfg, backend, cache=cache)
+        return logits[:, -1].float()
+
+    decode = torch.compile(step, fullgraph=True, **({"mode": "reduce-overhead"} | compile_options))
     return prefill, decode
 
 
