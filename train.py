@@ -22,13 +22,15 @@ units in the same order as `kimi.forward`. Why units and not DTensor leaves in t
 hooks all-gather one layer just before it runs and free it after, with prefetching, on stock PyTorch; the
 DTensor route would gather the whole tree up front in eager mode and relies on compiler passes (nightly-only in
 torchtitan) to get per-layer memory (COMPILE.md B.8). Each unit is compiled on its own (FSDP2's hooks cannot be
-traced); with one process the whole loss is one `torch.compile(fullgraph=True)` graph.
+traced); with one process the layers go through `kimi.compile_layers` (or, `--compile-scope model`, the whole
+loss is one `torch.compile(fullgraph=True)` graph).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -131,8 +133,11 @@ class TrainConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype: auto is bfloat16 on GPU and float32 on CPU. Master weights and AdamW state are fp32."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the loss (fullgraph): auto is on with a GPU, off on CPU (CPU Inductor cannot lower the
-    KDA chunk backward beyond one chunk in torch 2.13)."""
+    """torch.compile the model: auto is on with a GPU, off on CPU (CPU Inductor code generation takes minutes)."""
+    compile_scope: Literal["layers", "model"] = "layers"
+    """layers: `kimi.compile_layers`, one graph per distinct layer (compile time independent of depth); model: the
+    whole loss as one fullgraph (more fusion, compile time grows with depth). Several processes always compile
+    per FSDP unit."""
     attn: Literal["eager", "sdpa"] = "sdpa"
     kda: Literal["recurrent", "chunk"] = "chunk"
     moe: Literal["dense", "grouped"] = "grouped"
@@ -383,12 +388,21 @@ def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: Tensor, *, cfg: ModelConfig,
-             backend: kimi.Backend, dtype: torch.dtype, fp32_paths: frozenset[str], lora_scale: float) -> Tensor:
-    """The single-process training objective: summed label-token loss of one micro-batch."""
+             backend: kimi.Backend, dtype: torch.dtype, fp32_paths: frozenset[str], lora_scale: float,
+             forward=kimi.forward) -> Tensor:
+    """The single-process training objective: summed label-token loss of one micro-batch. `forward`: `kimi.forward`
+    or a compiled variant (`kimi.compile_layers(...)`)."""
     tree = lora.apply(params, adapters, lora_scale) if adapters else params
     tree = cast_tree(tree, dtype, fp32_paths)
-    logits = kimi.forward(tree, input_ids, cfg, backend, document_ids=document_ids)
+    logits = forward(tree, input_ids, cfg, backend, document_ids=document_ids)
     return token_loss_sum(logits, labels)
+
+
+def compiled_loss(scope: str):
+    """`loss_sum` compiled: per distinct layer (`scope="layers"`, the rest eager) or as one fullgraph ("model")."""
+    if scope == "model":
+        return torch.compile(loss_sum, fullgraph=True)
+    return functools.partial(loss_sum, forward=kimi.compile_layers(fullgraph=True))
 
 
 def unflatten(flat: dict[str, Tensor]) -> dict:
@@ -785,7 +799,7 @@ def train(cfg: TrainConfig) -> dict:
         def micro_loss(ids, labels, doc):
             return token_loss_sum(root(ids, doc), labels)
     else:
-        fn = torch.compile(loss_sum, fullgraph=True) if use_compile else loss_sum
+        fn = compiled_loss(cfg.compile_scope) if use_compile else loss_sum
 
         def micro_loss(ids, labels, doc):
             return fn(params, adapters, ids, labels, doc, cfg=model_cfg, backend=backend, dtype=compute,

@@ -49,7 +49,7 @@ def bench(a) -> dict:
                             fused=device.type == "cuda")
     fp32_paths = frozenset(p for p, s in tree_items(param_specs(cfg)) if s.fp32)
     backend = kimi.Backend(attn=a.attn, kda="chunk", moe="grouped", mla_form=a.mla_form)
-    fn = torch.compile(train.loss_sum, fullgraph=True) if use_compile else train.loss_sum
+    fn = train.compiled_loss(a.compile_scope) if use_compile else train.loss_sum
     V, B, T = cfg.vocab_size, a.batch, a.seq
     ids = torch.randint(0, V, (B, T), device=device)
     labels = torch.roll(ids, -1, dims=1)
@@ -109,6 +109,8 @@ def main():
     ap.add_argument("--mla-form", default="expanded", choices=["expanded", "absorbed"])
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="default: on for CUDA, off for CPU")
+    ap.add_argument("--compile-scope", default="layers", choices=["layers", "model"],
+                    help="layers: kimi.compile_layers (one graph per distinct layer); model: one fullgraph")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     a = ap.parse_args()
