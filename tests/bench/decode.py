@@ -116,7 +116,8 @@ def bench(cfg, params, B, context, steps, compile: bool, device) -> float:
             fn(params, ids, cache)
         sync(device)
     per_step = (time.perf_counter() - t) / steps
-    print(f"  B={B}: {per_step * 1e3:.2f} ms/step (3 warm-up steps{', compile included,' if compile else ''} {warm:.1f} s)", flush=True)
+    note = ", compile included," if compile else ""
+    print(f"  B={B}: {per_step * 1e3:.2f} ms/step (3 warm-up steps{note} {warm:.1f} s)", flush=True)
     return per_step
 
 
