@@ -110,13 +110,14 @@ def make_steps(cfg: kimi.ModelConfig, backend: kimi.Backend, compile: bool,
         return step, step
     # Prefill: regional compilation (one graph per distinct layer, dynamic lengths) keeps compile time
     # independent of depth. Decode: the whole step in one graph, so that it is one CUDA graph.
-    regional = kimi.compile_layers(fullgraph=True, dynamic=True, **compile_options)
+    regional = kimi.compile_layers(**({"fullgraph": True, "dynamic": True}
+                                      | {k: v for k, v in compile_options.items() if k != "mode"}))
 
     def prefill(params, ids, cache):
         logits, _ = regional(params, ids, cfg, backend, cache=cache)
         return logits[:, -1].float()
 
-    decode = torch.compile(step, fullgraph=True, **({"mode": "reduce-overhead"} | compile_options))
+    decode = torch.compile(step, **({"fullgraph": True, "mode": "reduce-overhead"} | compile_options))
     return prefill, decode
 
 
@@ -139,8 +140,8 @@ def generate(params: dict, cfg: kimi.ModelConfig, prompts: list[list[int]], *, m
         raise GenerateError(f"prompt {bad[0][0]} holds token id {bad[0][1]}, outside the model's vocabulary "
                             f"[0, {cfg.vocab_size})")
     T0 = max(len(p) for p in prompts)
-    max_len = max_len or T0 + max_new_tokens
-    if T0 + max_new_tokens > max_len:
+    max_len = max_len or T0 + max_new_tokens - 1
+    if T0 + max_new_tokens - 1 > max_len:   # the last sampled token is never fed back
         raise GenerateError(f"the longest prompt ({T0} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
                             f"cache length max_len={max_len}")
     if prefill_chunk is not None and prefill_chunk < 1:
@@ -207,7 +208,8 @@ class Args:
     """Instead of a checkpoint: a preset with random weights (for timing, not for text)."""
     prompt: str | None = None
     prompts_file: Path | None = None
-    """A batch: one prompt per line, or a .jsonl file of {"prompt": ...} or {"messages": [...]} lines."""
+    """A batch: one prompt per line (a literal \\n in a line is a newline), or a .jsonl file of
+    {"prompt": ...} or {"messages": [...]} lines."""
     messages: Path | None = None
     """A JSON file with a list of chat messages ({"role": ..., "content": ...})."""
     chat: bool = False
@@ -259,7 +261,10 @@ def _read_prompts(a: Args, tok: Tokenizer) -> list[list[int]]:
     path = a.prompts_file or a.messages
     if not path.is_file():
         raise GenerateError(f"{path}: no such file")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise GenerateError(f"{path}: not UTF-8 text ({e})") from None
     if a.messages is not None:
         try:
             msgs = json.loads(text)
@@ -267,7 +272,8 @@ def _read_prompts(a: Args, tok: Tokenizer) -> list[list[int]]:
             raise GenerateError(f"{path}: not JSON ({e})") from e
         return [tok.encode_chat(msgs, **chat_opts)[0]]
     prompts = []
-    for n, line in enumerate(text.splitlines(), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if path.suffix != ".jsonl":
             if line.strip():
                 prompts.append(one(line.replace("\\n", "\n"), f"{path}:{n}"))

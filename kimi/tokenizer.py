@@ -219,15 +219,21 @@ def _special_names_from_config(path: Path, base: int) -> dict[int, str] | None:
     if not path.is_file():
         return None
     try:
-        added = json.loads(path.read_text()).get("added_tokens_decoder", {})
+        added = json.loads(path.read_text()).get("added_tokens_decoder")
+        if added is None:
+            return None
         names = {int(i): entry["content"] for i, entry in added.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise TokenizerError(f"{path}: cannot read added_tokens_decoder ({e})") from e
+    if len(set(names.values())) != len(names):
+        dup = sorted({n for n in names.values() if list(names.values()).count(n) > 1})
+        raise TokenizerError(f"{path}: added_tokens_decoder names {dup} more than once")
     outside = [i for i in names if not base <= i < base + NUM_SPECIAL]
     if outside:
         raise TokenizerError(f"{path}: added tokens {outside[:5]} are outside the reserved ids "
                              f"[{base}, {base + NUM_SPECIAL})")
-    missing = [n for n in ("[BOS]", "[EOS]", END_OF_MSG, OPEN, CLOSE, SEP, "[PAD]") if n not in names.values()]
+    missing = [n for n in ("[BOS]", "[EOS]", END_OF_MSG, OPEN, CLOSE, SEP, "[UNK]", "[PAD]")
+               if n not in names.values()]
     if missing:
         raise TokenizerError(f"{path}: added_tokens_decoder lacks {missing}")
     return names
@@ -329,6 +335,9 @@ class _Writer:
             self.text(body or "")
             return
         for part in body:
+            if not isinstance(part, dict):
+                raise TokenizerError(f"content must be a str or a list of {{'type': 'text', 'text': ...}} parts, "
+                                     f"got a part of type {type(part).__name__}")
             if part.get("type") != "text":
                 raise TokenizerError(f"content part of type {part.get('type')!r} is not supported by the text "
                                      f"model; only 'text' parts are")
@@ -391,6 +400,8 @@ def _assistant(w: _Writer, m: dict, thinking: bool) -> None:
         w.open("tools")
         for index, call in enumerate(m["tool_calls"], start=1):
             fn = call.get("function", call)
+            if not fn.get("name"):
+                raise TokenizerError(f"tool call {index} of an assistant message has no function name")
             args, raw = _call_arguments(fn)
             w.open("call", tool=fn["name"], index=index)
             if raw is not None:
@@ -503,7 +514,7 @@ def parse_reply(text: str, opened: str | None = "think") -> dict[str, str]:
         text = f"{OPEN}{opened}{SEP}" + text
     out = {}
     for channel in ("think", "response"):
-        m = re.search(re.escape(f"{OPEN}{channel}{SEP}") + r"(.*?)(?:" + re.escape(f"{CLOSE}{channel}{SEP}") + "|$)",
+        m = re.search(re.escape(f"{OPEN}{channel}{SEP}") + r"(.*?)(?:" + re.escape(f"{CLOSE}{channel}{SEP}") + r"|\Z)",
                       text, flags=re.S)
         if m:
             out[channel] = m.group(1)

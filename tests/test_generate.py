@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import kimi
+from kimi.config import KDAConfig
 
 from helpers import tiny
 
@@ -146,12 +147,17 @@ def test_cli_file_errors(ckpt, tmp_path, capsys):
         gen.Sampling(top_p=0)
 
 
-def test_compiled_steps_equal_eager(params):
+def test_compiled_steps_equal_eager():
     """The compiled wiring (regional prefill over the cache in chunks, whole-graph decode step, static cache
-    buffers) through Dynamo's eager backend: same tokens as the eager loop. CUDA graphs are the GPU's part."""
-    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (11, 4)]
-    ref = gen.generate(params, CFG, prompts, max_new_tokens=4, sampling=gen.Sampling(temperature=0))
-    steps = gen.make_steps(CFG, kimi.Backend(mla_form="absorbed"), True, {"backend": "eager", "mode": None})
-    got = gen.generate(params, CFG, prompts, max_new_tokens=4, sampling=gen.Sampling(temperature=0), steps=steps,
+    buffers) through Dynamo's eager backend: same tokens as the eager loop. CUDA graphs are the GPU's part.
+    A 4-layer model (KDA, MLA, KDA, MLA) keeps the tracing cheap."""
+    cfg = tiny(num_hidden_layers=4, index_topk=4,
+               linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1, 3), full_attn_layers=(2, 4)))
+    params = kimi.init_params(cfg, seed=5)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (10, 4)]   # two prefill chunks of 5
+    ref = gen.generate(params, cfg, prompts, max_new_tokens=4, sampling=gen.Sampling(temperature=0))
+    steps = gen.make_steps(cfg, kimi.Backend(mla_form="absorbed"), True,
+                           {"backend": "eager", "mode": None, "dynamic": False})
+    got = gen.generate(params, cfg, prompts, max_new_tokens=4, sampling=gen.Sampling(temperature=0), steps=steps,
                        compile=True, prefill_chunk=5, max_len=30)
     assert got.tokens == ref.tokens

@@ -168,6 +168,7 @@ def test_parse_reply():
     reply = "hmm<|close|>think<|sep|><|open|>response<|sep|>42<|close|>response<|sep|><|close|>message<|sep|>"
     assert parse_reply(reply) == {"think": "hmm", "response": "42"}
     assert parse_reply("partial answ", opened="response") == {"response": "partial answ"}
+    assert parse_reply("still thinking\n") == {"think": "still thinking\n"}
 
 
 def test_chat_errors():
@@ -179,6 +180,10 @@ def test_chat_errors():
         render_chat([{"role": "user", "content": [{"type": "image", "url": "x"}]}])
     with pytest.raises(TokenizerError, match="tool result"):
         render_chat([{"role": "tool", "content": "3"}])
+    with pytest.raises(TokenizerError, match="no function name"):
+        render_chat([{"role": "assistant", "tool_calls": [{"arguments": "{}"}]}])
+    with pytest.raises(TokenizerError, match="parts"):
+        render_chat([{"role": "user", "content": ["plain"]}])
     with pytest.raises(TokenizerError, match="JSON object"):
         render_chat([{"role": "assistant", "tool_calls": [{"name": "f", "arguments": "[1, 2]"}]}])
 
@@ -207,7 +212,8 @@ def test_named_special_tokens_from_tokenizer_config(tmp_path):
     write_tiktoken_model(RANKS, tmp_path / "tiktoken.model")
     base = len(RANKS)
     names = {base + o: n for o, n in [(0, "[BOS]"), (1, "[EOS]"), (2, "<|end_of_msg|>"), (3, "<|open|>"),
-                                      (4, "<|close|>"), (5, "<|sep|>"), (7, "<|custom|>"), (255, "[PAD]")]}
+                                      (4, "<|close|>"), (5, "<|sep|>"), (7, "<|custom|>"), (254, "[UNK]"),
+                                      (255, "[PAD]")]}
     config = {"added_tokens_decoder": {str(i): {"content": n, "special": True} for i, n in names.items()}}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     t = load_tokenizer(tmp_path)
@@ -216,6 +222,13 @@ def test_named_special_tokens_from_tokenizer_config(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(TokenizerError, match="outside the reserved ids"):
         load_tokenizer(tmp_path)
+    del config["added_tokens_decoder"][str(base + 256)]
+    config["added_tokens_decoder"][str(base + 8)] = {"content": "<|custom|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerError, match="more than once"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8}))
+    assert load_tokenizer(tmp_path).specials["[EOS]"] == base + 1   # no added tokens: the release names
 
 
 def test_bad_tiktoken_file(tmp_path):
