@@ -55,6 +55,24 @@ def _loss_and_grads(params, ids, doc, backend, fn):
     return logits.detach(), [leaf.grad.clone() if leaf.grad is not None else None for leaf in leaves]
 
 
+def _assert_as_accurate_as_eager(params, ids, doc, backend, out, grads, out_tol):
+    """Compiled fp32 results against a float64 eager reference (`moe="dense"`: the grouped kernel has no float64),
+    leaf by leaf: the compiled error may be at most ten times the fp32 eager error (both are fp32 roundings in
+    different orders), plus 1e-5. A leaf whose
+    gradient is a large cancellation (A_log: a sum over every token and channel) carries fp32 rounding noise far
+    above 1e-5 of its own norm, in eager as much as compiled, so a fixed relative bound on compiled-vs-eager
+    would flake on it while a real bug (errors of order 1) still fails this."""
+    p64 = kimi.params.tree_map(lambda _, leaf: torch.nn.Parameter(leaf.detach().double(),
+                                                                requires_grad=leaf.requires_grad), params)
+    ref64, grads64 = _loss_and_grads(p64, ids, doc, dataclasses.replace(backend, moe="dense"), kimi.forward)
+    eager, eager_grads = _loss_and_grads(params, ids, doc, backend, kimi.forward)
+    assert rel_err(out, ref64) <= 10 * rel_err(eager, ref64) + out_tol
+    for g, e, r in zip(grads, eager_grads, grads64):
+        assert (g is None) == (r is None) == (e is None)
+        if r is not None:
+            assert rel_err(g, r) <= 10 * rel_err(e, r) + 1e-5, (rel_err(g, r), rel_err(e, r))
+
+
 # ---------------------------------------------------------------------------------------------- ops
 
 def _op_samples():
@@ -170,10 +188,7 @@ def test_fullgraph_forward_backward_equals_eager(params, backend):
     ids, doc = _batch(2, 100)
     compiled = torch.compile(kimi.forward, fullgraph=True, backend="aot_eager_decomp_partition")
     out, grads = _loss_and_grads(params, ids, doc, backend, compiled)
-    ref, ref_grads = _loss_and_grads(params, ids, doc, backend, kimi.forward)
-    assert rel_err(out, ref) < 1e-6
-    for g, r in zip(grads, ref_grads):
-        assert (g is None) == (r is None) and (g is None or rel_err(g, r) < 1e-5)
+    _assert_as_accurate_as_eager(params, ids, doc, backend, out, grads, out_tol=1e-6)
 
 
 def test_inductor_forward_backward_equals_eager(params):
@@ -185,10 +200,7 @@ def test_inductor_forward_backward_equals_eager(params):
     backend = kimi.Backend()
     compiled = torch.compile(kimi.forward, fullgraph=True)
     out, grads = _loss_and_grads(params, ids, doc, backend, compiled)
-    ref, ref_grads = _loss_and_grads(params, ids, doc, backend, kimi.forward)
-    assert rel_err(out, ref) < 1e-5
-    for g, r in zip(grads, ref_grads):
-        assert (g is None) == (r is None) and (g is None or rel_err(g, r) < 1e-4)
+    _assert_as_accurate_as_eager(params, ids, doc, backend, out, grads, out_tol=1e-6)
 
 
 def _graphs_of(fn) -> int:
