@@ -58,8 +58,7 @@ from kimi.config import ModelConfig
 from kimi.model import attn_res_mix, decoder_layer, document_runs
 from kimi.common import rms_norm
 from kimi.params import leaf_dtype, param_specs, to_dtype, tree_items, tree_map
-from kimi.tokenizer import Tokenizer
-from kimi.tokenizer import load_tokenizer as kimi_load_tokenizer
+from kimi.tokenizer import load_tokenizer
 
 IGNORE = -100
 """Label of a position that is not trained on (padding, prompt tokens, the last token of a document)."""
@@ -181,13 +180,6 @@ class DataError(ValueError):
 
 class TrainingDiverged(RuntimeError):
     pass
-
-
-# ============================================================================================== tokenizer
-
-def load_tokenizer(checkpoint: str | None, cfg: ModelConfig) -> Tokenizer:
-    """The checkpoint's tokenizer (its `tiktoken.model`), or the byte-level fallback (fresh presets, tiny models)."""
-    return kimi_load_tokenizer(checkpoint, cfg)
 
 
 # ============================================================================================== data

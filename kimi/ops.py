@@ -1,12 +1,12 @@
 """The op registry: every backend-dependent computation is a `kimi::` operator, and the one place backends plug in.
 
-Two kinds of registration, one helper each:
+Two kinds of registration:
 
 - `traceable(schema, fn)` for pure-PyTorch implementations (the references and the torch backends). The op is
   registered as CompositeImplicitAutograd: torch.compile sees `torch.ops.kimi.<name>` by name, then traces
   through `fn`, so Inductor fuses its arithmetic with the code around it and autograd differentiates it. No
   fake kernel or backward is written by hand: both come from `fn` itself.
-- `opaque(name, fn, fake, backward)` for a library or hand-written kernel (`torch.library.custom_op`): one graph
+- `torch.library.custom_op` (used directly) for a library or hand-written kernel: one graph
   node that Inductor does not look into, with a fake (meta) kernel giving exact output shapes, dtypes and
   strides, and a registered backward. Outputs are made contiguous and fakes use `new_empty`, so real and fake
   strides agree (COMPILE.md B.3). `grouped_mm` is the first; later Triton/cuDNN kernels follow the same form.
