@@ -1,14 +1,14 @@
 """Generate text with Kimi K3.1 Pro (or any checkpoint in its format): cached prefill, then one token per step.
 
     python generate.py --checkpoint ckpt --prompt "Once upon a time"
-    python generate.py --checkpoint ckpt --chat --prompt "What is 2+2?" --temperature 0
+    python generate.py --checkpoint ckpt --chat --prompt "What is 2+2?" --sampling.temperature 0
     python generate.py --checkpoint ckpt --prompts-file prompts.txt --max-new-tokens 64     # a batch, one per line
 
 How it runs: the prompts are tokenized (the checkpoint's `tiktoken.model`, else bytes), left-padded into one batch
 and written into a preallocated cache (`kimi.init_cache`) by the prefill, optionally in chunks. Each decode step then
 feeds one token per row: KDA advances its recurrent state by one token, the indexer scores the new query against
 every cached index key and keeps the top-k, and sparse MLA attends over those cached latents. On a GPU the decode
-step is compiled with CUDA graphs (`mode="reduce-overhead"`) and the prefill is compiled with dynamic shapes.
+step is compiled per distinct layer and captured as one CUDA graph, and the prefill is compiled per distinct layer.
 """
 
 from __future__ import annotations
@@ -94,31 +94,75 @@ class Result:
         return "\n".join(lines)
 
 
+class CudaGraphStep:
+    """`fn(params, ids, cache) -> Tensor` captured as one CUDA graph on its first CUDA call, then replayed.
+
+    Each call copies `ids` into the graph's static input and replays every kernel of the step with one launch; the
+    returned tensor is the graph's static output (read it before the next call). The cache's buffers are written
+    in place by the replay, so they must stay the same tensors (`kimi.reset_cache` them, do not reallocate);
+    the parameters too. A call with another cache, batch shape or parameter tree captures again. The warm-up
+    calls that compile and autotune run on a scratch copy of the cache, so the real cache advances exactly once
+    per call. Off CUDA, `fn` is simply called."""
+
+    def __init__(self, fn: Callable, warmup: int = 2):
+        self.fn, self.warmup = fn, warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.key = None
+        self.ids: Tensor | None = None
+        self.out: Tensor | None = None
+
+    def __call__(self, params: dict, ids: Tensor, cache: dict) -> Tensor:
+        if ids.device.type != "cuda":
+            return self.fn(params, ids, cache)
+        key = (tuple(ids.shape), ids.dtype, cache["pos"].data_ptr(),
+               params["model"]["embed_tokens"]["weight"].data_ptr())
+        if key != self.key:
+            self._capture(params, ids, cache)
+            self.key = key
+        self.ids.copy_(ids)
+        self.graph.replay()
+        return self.out
+
+    def _capture(self, params: dict, ids: Tensor, cache: dict):
+        scratch = kimi.clone_cache(cache)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):      # compile, autotune and allocate outside the capture
+            for _ in range(self.warmup):
+                scratch["pos"].copy_(cache["pos"])
+                self.fn(params, ids, scratch)
+        torch.cuda.current_stream().wait_stream(side)
+        del scratch
+        self.ids = ids.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.fn(params, self.ids, cache)
+
+
 def make_steps(cfg: kimi.ModelConfig, backend: kimi.Backend, compile: bool,
                compile_options: dict | None = None) -> tuple[Callable, Callable]:
-    """(prefill, decode): each takes (params, ids [B, T], cache) and returns the last position's logits [B, V].
-    Compiled, the decode step is one CUDA graph (static shapes, cache at static addresses) and the prefill
-    compiles once per distinct layer for dynamic lengths. `compile_options` go to `torch.compile` (they override
-    the decode step's mode)."""
+    """(prefill, decode): each takes (params, ids [B, T], cache) and returns the last position's logits [B, V]
+    in fp32.
+
+    Compiled, both run the decoder layers through `kimi.compile_layers`: one graph per distinct layer, so compile
+    time grows with the number of layer kinds, not with depth (the release's 93 layers are a few dozen graphs; one
+    whole-model graph would take many minutes). The prefill compiles for its first length and, on another length,
+    once more with dynamic shapes (Dynamo's automatic dynamic). On CUDA the whole decode step (embedding, every
+    layer, head) is then captured as one CUDA graph (`CudaGraphStep`): a step is one launch. `compile_options` go
+    to `torch.compile`."""
     compile_options = compile_options or {}
 
-    def step(params, ids, cache):
-        logits, _ = kimi.forward(params, ids, cfg, backend, cache=cache)
-        return logits[:, -1].float()
+    def last_logits(forward):
+        def run(params, ids, cache):
+            logits, _ = forward(params, ids, cfg, backend, cache=cache)
+            return logits[:, -1].float()
+        return run
 
     if not compile:
-        return step, step
-    # Prefill: regional compilation (one graph per distinct layer, dynamic lengths) keeps compile time
-    # independent of depth. Decode: the whole step in one graph, so that it is one CUDA graph.
-    regional = kimi.compile_layers(**({"fullgraph": True, "dynamic": True}
-                                      | {k: v for k, v in compile_options.items() if k != "mode"}))
-
-    def prefill(params, ids, cache):
-        logits, _ = regional(params, ids, cfg, backend, cache=cache)
-        return logits[:, -1].float()
-
-    decode = torch.compile(step, **({"fullgraph": True, "mode": "reduce-overhead"} | compile_options))
-    return prefill, decode
+        eager = last_logits(kimi.forward)
+        return eager, eager
+    regional = last_logits(kimi.compile_layers(**({"fullgraph": True} | compile_options)))
+    return regional, CudaGraphStep(regional)
 
 
 def generate(params: dict, cfg: kimi.ModelConfig, prompts: list[list[int]], *, max_new_tokens: int,
@@ -130,7 +174,7 @@ def generate(params: dict, cfg: kimi.ModelConfig, prompts: list[list[int]], *, m
 
     Rows stop at any of `stop_ids`; the batch stops when every row has. `on_token(ids [B])` sees each step's tokens
     (for streaming). `max_len` is the cache length (default: longest prompt + max_new_tokens)."""
-    backend = backend or kimi.Backend(mla_form="absorbed")
+    backend = backend or kimi.Backend(mla_form="absorbed", kda="chunk_opaque")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerateError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -152,8 +196,6 @@ def generate(params: dict, cfg: kimi.ModelConfig, prompts: list[list[int]], *, m
     ids = ids.to(device)
     cache = kimi.init_cache(cfg, len(prompts), max_len, dtype=dtype, device=device, start=start.to(device))
     prefill, decode = steps or make_steps(cfg, backend, compile)
-    if compile:
-        kimi.mark_static(cache)
     gen = torch.Generator(device).manual_seed(sampling.seed)
     stops = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
 
@@ -233,7 +275,7 @@ class Args:
     """auto: bfloat16 on CUDA, float32 on the CPU."""
     compile: bool | None = None
     """Compile the prefill and decode steps (default: on CUDA)."""
-    backend: kimi.Backend = kimi.Backend(mla_form="absorbed")
+    backend: kimi.Backend = kimi.Backend(mla_form="absorbed", kda="chunk_opaque")
     stream: bool = True
     """Print tokens as they come (one prompt only)."""
     bos: bool = True

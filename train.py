@@ -138,7 +138,9 @@ class TrainConfig:
     whole loss as one fullgraph (more fusion, compile time grows with depth). Several processes always compile
     per FSDP unit."""
     attn: Literal["eager", "sdpa"] = "sdpa"
-    kda: Literal["recurrent", "chunk"] = "chunk"
+    kda: Literal["auto", "recurrent", "chunk", "chunk_opaque"] = "auto"
+    """auto: 'chunk_opaque' when the step is compiled (Inductor skips the chunk algebra: a fraction of the compile
+    time), 'chunk' when it is not (no recomputation in the backward). See `kimi.Backend.kda`."""
     moe: Literal["dense", "grouped"] = "grouped"
     mla_form: Literal["expanded", "absorbed"] = "expanded"
 
@@ -779,7 +781,8 @@ def train(cfg: TrainConfig) -> dict:
     if accum * cfg.micro_batch_size * world != cfg.batch_size:
         raise ValueError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size="
                          f"{cfg.micro_batch_size} x {world} processes")
-    backend = kimi.Backend(attn=cfg.attn, kda=cfg.kda, moe=cfg.moe, mla_form=cfg.mla_form)
+    kda = cfg.kda if cfg.kda != "auto" else "chunk_opaque" if use_compile else "chunk"
+    backend = kimi.Backend(attn=cfg.attn, kda=kda, moe=cfg.moe, mla_form=cfg.mla_form)
     fp32_paths = frozenset(p for p, s in tree_items(param_specs(model_cfg)) if s.fp32)
     scale = lora.scale_of(cfg.lora.rank, cfg.lora.alpha) if cfg.lora.rank else 1.0
 

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .common import compute_dtype
+from .common import compute_dtype, host_checks
 from .config import ModelConfig
 
 
@@ -198,7 +198,7 @@ def check_cache(cache, cfg: ModelConfig, input_ids: Tensor, dtype: torch.dtype) 
         raise CacheError(f"cache start has shape {list(cache['start'].shape)}, expected [{B}]")
     if T == 0:
         raise CacheError("input_ids has no tokens (T = 0)")
-    if not torch.compiler.is_compiling():   # a host sync: checked in eager only (a compiled step trusts its caller)
+    if host_checks():   # a host sync: eager only (a compiled or captured step trusts its caller)
         pos = int(cache["pos"])
         if pos + T > max_len:
             raise CacheError(f"cache overflow: {pos} slots used + {T} new tokens > max_len={max_len}; allocate "

@@ -20,6 +20,15 @@ def compile_region(fn):
     return fn
 
 
+def host_checks() -> bool:
+    """Whether checks that read a device value on the host may run: not while torch.compile traces (the value is
+    symbolic) and not while a CUDA graph is captured (a host sync would break the capture). The caller of a
+    compiled or captured step validates its inputs instead."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 tensors, fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)

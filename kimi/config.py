@@ -237,7 +237,7 @@ class ModelConfig:
 # ---------------------------------------------------------------------------------------------- Backend
 
 AttnBackend = Literal["eager", "sdpa"]
-KDABackend = Literal["recurrent", "chunk"]
+KDABackend = Literal["recurrent", "chunk", "chunk_opaque"]
 MoEBackend = Literal["dense", "grouped"]
 MLAForm = Literal["expanded", "absorbed"]
 
@@ -253,8 +253,10 @@ class Backend:
     """'expanded' (per-head K/V through kv_b_proj) or 'absorbed' (kv_b_proj folded into q and the output;
     attention over the 576-wide latent, what sparse kernels run; DSA.md §4.2)."""
     kda: KDABackend = "chunk"
-    """'recurrent' (token-by-token loop, the float64-capable definition) or 'chunk' (chunkwise-parallel,
-    fp32 accumulation, chunk 64)."""
+    """'recurrent' (token-by-token loop, the float64-capable definition), 'chunk' (chunkwise-parallel, fp32
+    accumulation, chunk 64; traced by torch.compile) or 'chunk_opaque' (the same computation as one opaque op:
+    torch.compile does not trace into it, which cuts compile time several-fold, and its backward recomputes the
+    forward through `torch.func.vjp`, saving only the inputs; the slot a fused KDA kernel fills)."""
     moe: MoEBackend = "grouped"
     """'dense' (every expert on every token, weights zero where unselected: the any-dtype reference) or
     'grouped' (tokens sorted by expert, F.grouped_mm; float32/bfloat16 only)."""

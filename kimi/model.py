@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import kda, mla, moe
 from .cache import CacheError, Step, check_cache, step_positions
-from .common import compute_dtype, rms_norm
+from .common import compute_dtype, host_checks, rms_norm
 from .config import Backend, ModelConfig
 
 
@@ -168,7 +168,7 @@ def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=l
     elif document_ids.shape != input_ids.shape or document_ids.dtype.is_floating_point:
         raise ValueError(f"document_ids must be an integer tensor shaped like input_ids {list(input_ids.shape)}, "
                          f"got {document_ids.dtype} {list(document_ids.shape)}")
-    if not torch.compiler.is_compiling() and input_ids.numel() and (
+    if host_checks() and input_ids.numel() and (
             int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got "
                          f"[{int(input_ids.min())}, {int(input_ids.max())}]")

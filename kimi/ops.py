@@ -14,6 +14,7 @@ Two kinds of registration:
 | op (torch.ops.kimi.*)       | Backend field  | kind       | differentiable          |
 |-----------------------------|----------------|------------|-------------------------|
 | kda_recurrent, kda_chunk    | kda            | traceable  | yes                     |
+| kda_chunk_opaque (+ _bwd)   | kda            | opaque     | yes (recompute + vjp)   |
 | kda_step (decode update)    | -              | traceable  | yes                     |
 | indexer_topk                | -              | traceable  | no (integer output)     |
 | sparse_mla_eager, _sdpa     | attn, mla_form | traceable  | yes                     |
@@ -101,6 +102,72 @@ def _grouped_mm_backward(ctx, dy):
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
+# ---------------------------------------------------------------------------------------------- opaque: KDA chunk
+
+def _kda_chunk_fn(scale: float, chunk_size: int):
+    return lambda q, k, v, g, beta, s0, reset: kda.kda_chunk(q, k, v, g, beta, scale=scale, initial_state=s0,
+                                                            reset=reset, chunk_size=chunk_size)
+
+
+@torch.library.custom_op("kimi::kda_chunk_opaque", mutates_args=())
+def kda_chunk_opaque(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                     initial_state: Tensor | None, reset: Tensor | None, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """`kda.kda_chunk` as one graph node: Inductor does not trace the chunk algebra (which costs most of a KDA
+    layer's compile time: its 6- and 7-dimensional masked intermediates make slow kernels to generate), and
+    autograd saves only the inputs. Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32)."""
+    o, s = _kda_chunk_fn(scale, chunk_size)(q, k, v, g, beta, initial_state, reset)
+    return o.contiguous(), s.contiguous()
+
+
+@kda_chunk_opaque.register_fake
+def _(q, k, v, g, beta, scale, initial_state, reset, chunk_size=64):
+    B, T, H, K = q.shape
+    return v.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=_kda_state_dtype(q.dtype))
+
+
+def _kda_state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("kimi::kda_chunk_opaque_bwd", mutates_args=())
+def kda_chunk_opaque_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                         initial_state: Tensor | None, reset: Tensor | None, chunk_size: int, do: Tensor,
+                         ds: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of `kda_chunk_opaque` by recomputation: the forward runs again under `torch.func.vjp` (which
+    differentiates even here, below the autograd dispatch key, where `torch.autograd.grad` cannot). Returns the
+    gradients of q, k, v, g, beta and the initial state (zeros when there was none)."""
+    fn = _kda_chunk_fn(scale, chunk_size)
+    B, T, H, K = q.shape
+    s0 = initial_state if initial_state is not None else q.new_zeros(B, H, K, v.shape[-1],
+                                                                    dtype=_kda_state_dtype(q.dtype))
+    _, vjp = torch.func.vjp(lambda q, k, v, g, beta, s0: fn(q, k, v, g, beta, s0, reset), q, k, v, g, beta, s0)
+    return tuple(t.contiguous() for t in vjp((do, ds)))
+
+
+@kda_chunk_opaque_bwd.register_fake
+def _(q, k, v, g, beta, scale, initial_state, reset, chunk_size, do, ds):
+    B, H, K, V = q.shape[0], q.shape[2], q.shape[3], v.shape[-1]
+    s_dtype = initial_state.dtype if initial_state is not None else _kda_state_dtype(q.dtype)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta),
+            q.new_empty(B, H, K, V, dtype=s_dtype))
+
+
+def _kda_setup(ctx, inputs, output):
+    q, k, v, g, beta, scale, s0, reset, chunk_size = inputs
+    ctx.save_for_backward(q, k, v, g, beta, s0, reset)
+    ctx.scale, ctx.chunk_size, ctx.has_s0 = scale, chunk_size, s0 is not None
+
+
+def _kda_backward(ctx, do, ds):
+    q, k, v, g, beta, s0, reset = ctx.saved_tensors
+    grads = kda_chunk_opaque_bwd(q, k, v, g, beta, ctx.scale, s0, reset, ctx.chunk_size, do.contiguous(),
+                                 ds.contiguous())
+    return (*grads[:5], None, grads[5] if ctx.has_s0 else None, None, None)
+
+
+kda_chunk_opaque.register_autograd(_kda_backward, setup_context=_kda_setup)
+
+
 # ---------------------------------------------------------------------------------------------- traceable ops
 
 kda_recurrent = traceable(
@@ -148,6 +215,8 @@ def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale:
     Returns o [B, T, H, V] in v's dtype and the final state [B, H, K, V] (fp32, or fp64 for fp64 inputs)."""
     if backend.kda == "recurrent":
         return kda_recurrent(q, k, v, g, beta, scale, initial_state, reset)
+    if backend.kda == "chunk_opaque":
+        return kda_chunk_opaque(q, k, v, g, beta, scale, initial_state, reset)
     return kda_chunk(q, k, v, g, beta, scale, initial_state, reset)
 
 

@@ -148,8 +148,9 @@ def test_cli_file_errors(ckpt, tmp_path, capsys):
 
 
 def test_compiled_steps_equal_eager():
-    """The compiled wiring (regional prefill over the cache in chunks, whole-graph decode step, static cache
-    buffers) through Dynamo's eager backend: same tokens as the eager loop. CUDA graphs are the GPU's part.
+    """The compiled wiring (regional prefill over the cache in chunks, regional decode step) through Dynamo's eager
+    backend: same tokens as the eager loop. The CUDA-graph capture of the decode step is the GPU's part
+    (tests/test_gpu.py).
     A 4-layer model (KDA, MLA, KDA, MLA) keeps the tracing cheap."""
     cfg = tiny(num_hidden_layers=4, index_topk=4,
                linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1, 3), full_attn_layers=(2, 4)))

@@ -13,12 +13,16 @@ from hypothesis import given, settings, strategies as st
 
 import kimi
 from helpers import rel_err, tiny
-from kimi import kda
+from kimi import kda, ops
 from kimi.config import Backend
 
 F64 = torch.float64
 REGIMES = ["logsigmoid", "bounded", "saturated", "softplus", "m1000"]
 CORES = {"recurrent": kda.kda_recurrent, "chunk": kda.kda_chunk}
+
+
+def _opaque(q, k, v, g, beta, *, scale, initial_state=None, reset=None, chunk_size=64):
+    return ops.kda_chunk_opaque(q, k, v, g, beta, scale, initial_state, reset, chunk_size)
 SEEDS = st.integers(0, 2**31 - 1)
 
 
@@ -145,6 +149,50 @@ def test_chunk_fp32_gradients_finite_and_close(regime):
     for n in x:
         assert torch.isfinite(got[n]).all(), n
         assert rel_err(got[n], ref[n]) < 1e-4, n
+
+
+@pytest.mark.parametrize("h0", [True, False])
+def test_opaque_chunk_op_equals_recurrence_with_gradients(h0):
+    """Backend(kda="chunk_opaque"): `kda_chunk` behind one custom op whose backward recomputes the forward under
+    torch.func.vjp. float64 output, state and every gradient (q, k, v, g, beta, initial state) against the
+    recurrence, with resets inside chunks and a padded last chunk; without an initial state its gradient is None."""
+    B, T, H, K, V = 2, 90, 2, 16, 8
+    x = _inputs(B, T, H, K, V, "m1000")
+    if not h0:
+        x["initial_state"] = None
+    reset = _resets(B, T, [[5, 40], [64]])
+    x = {n: t for n, t in x.items() if t is not None}
+    do, dS = torch.randn(B, T, H, V, dtype=F64), torch.randn(B, H, K, V, dtype=F64)
+    ref = _grads("recurrent", _leaves(x), do, dS, reset=reset)
+    leaves = _leaves(x)
+    o, S = _opaque(**leaves, scale=0.25, reset=reset, chunk_size=32)
+    o_ref, S_ref = _run("recurrent", x, reset=reset)
+    assert rel_err(o, o_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
+    got = dict(zip(leaves, torch.autograd.grad((o * do).sum() + (S * dS).sum(), list(leaves.values()))))
+    for n in x:
+        assert rel_err(got[n], ref[n]) < 1e-10, n
+    if not h0:   # the op's backward hands back no gradient for an absent initial state
+        q = leaves["q"]
+        o, _ = _opaque(**leaves, scale=0.25)
+        assert torch.autograd.grad(o.sum(), q)[0].shape == q.shape
+
+
+def test_opaque_chunk_op_dtypes():
+    """bf16 q/k/v in, bf16 o and fp32 state out, fp32 gradients close to the float64 recurrence."""
+    x = _inputs(1, 70, 2, 16, 8)
+    xb = {n: t.to(torch.bfloat16) for n, t in x.items()}
+    xb["g"], xb["beta"], xb["initial_state"] = x["g"].float(), x["beta"].float(), x["initial_state"].float()
+    o_ref, _ = _run("recurrent", {n: t.double() for n, t in xb.items()})
+    o, S = _opaque(**xb, scale=0.25)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32 and rel_err(o, o_ref) < 1e-2
+    x32 = _leaves({n: t.float() for n, t in x.items()})
+    o, S = _opaque(**x32, scale=0.25)
+    grads = torch.autograd.grad(o.square().sum() + S.sum(), list(x32.values()))
+    x64 = _leaves(x)
+    o, S = _run("recurrent", x64)
+    refs = torch.autograd.grad(o.square().sum() + S.sum(), list(x64.values()))
+    for n, g, r in zip(x32, grads, refs):
+        assert g.dtype == torch.float32 and rel_err(g, r) < 1e-4, n
 
 
 def test_bf16_inputs_give_bf16_output_and_fp32_state():

@@ -90,7 +90,7 @@ def fill_cache(cache: dict, context: int):
     cache["pos"].fill_(context)
 
 
-def bench(cfg, params, B, context, steps, compile: bool, device) -> float:
+def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "graph") -> float:
     cache = kimi.init_cache(cfg, B, context + steps + 8, dtype=params["model"]["embed_tokens"]["weight"].dtype,
                             device=device)
     backend = kimi.Backend(mla_form="absorbed")
@@ -99,8 +99,13 @@ def bench(cfg, params, B, context, steps, compile: bool, device) -> float:
         logits, _ = kimi.forward(params, ids, cfg, backend, cache=cache)
         return logits[:, -1]
 
-    fn = torch.compile(step, fullgraph=True, mode="reduce-overhead") if compile else step
-    if compile:
+    if not compile:
+        fn = step
+    elif mode == "graph":      # what generate.py runs: regional compile, the whole step as one CUDA graph
+        import generate
+        fn = generate.make_steps(cfg, backend, True)[1]
+    else:                      # one fullgraph of the whole step under cudagraph trees
+        fn = torch.compile(step, fullgraph=True, mode="reduce-overhead")
         kimi.mark_static(cache)
     ids = torch.randint(0, min(cfg.vocab_size, 256), (B, 1), device=device)
     fill_cache(cache, context)
@@ -121,6 +126,42 @@ def bench(cfg, params, B, context, steps, compile: bool, device) -> float:
     return per_step
 
 
+def profile(cfg, params, B, context, device, steps: int = 5, top: int = 30):
+    """Per-kernel GPU time of one compiled decode step (no CUDA graphs, so each kernel is its own launch; the
+    kernels are the ones the graph replays). Prints kernels per step, their summed time, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    cache = kimi.init_cache(cfg, B, context + steps + 16, dtype=params["model"]["embed_tokens"]["weight"].dtype,
+                            device=device)
+    backend = kimi.Backend(mla_form="absorbed")
+
+    def step(params, ids, cache):
+        logits, _ = kimi.forward(params, ids, cfg, backend, cache=cache)
+        return logits[:, -1]
+
+    fn = torch.compile(step, fullgraph=True)
+    ids = torch.randint(0, min(cfg.vocab_size, 256), (B, 1), device=device)
+    fill_cache(cache, context)
+    with torch.no_grad():
+        for _ in range(3):
+            fn(params, ids, cache)
+        sync(device)
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn(params, ids, cache)
+            sync(device)
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per.setdefault(e.name, []).append(e.device_time)
+    total = sum(sum(v) for v in per.values()) / steps
+    n = sum(len(v) for v in per.values()) / steps
+    print(f"\nprofile B={B}: {n:.0f} kernels per step, {total / 1e3:.3f} ms of kernel time per step")
+    print("| kernel | calls/step | us/step | share |")
+    print("|---|---|---|---|")
+    for name, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"| {name[:90]} | {len(v) / steps:.0f} | {sum(v) / steps:.1f} | {sum(v) / steps / total:.1%} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="k3_1_pro")
@@ -131,6 +172,10 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--mode", default="graph", choices=["graph", "whole"],
+                    help="graph: generate.py's decode (regional compile + one captured CUDA graph); whole: one "
+                         "torch.compile fullgraph of the step with mode='reduce-overhead'")
+    ap.add_argument("--profile", action="store_true", help="also print per-kernel GPU time of a compiled step")
     a = ap.parse_args()
     device = torch.device(a.device)
     cfg = scaled(kimi.preset(a.preset), num_layers=a.layers or None, num_experts=a.experts or None)
@@ -145,19 +190,22 @@ def main():
     compile = not a.no_compile and device.type == "cuda"
     rows = []
     for B in a.batch:
-        step = bench(cfg, params, B, a.context, a.steps, compile, device)
+        step = bench(cfg, params, B, a.context, a.steps, compile, device, a.mode)
         parts = floor_bytes(cfg, params, B, a.context)
         total = sum(parts.values())
         floor = total / bw
         rows.append((B, step, floor, parts, total))
     print()
-    print(f"context {a.context} tokens, {'compiled (CUDA graphs)' if compile else 'eager'}, bandwidth "
+    print(f"context {a.context} tokens, {f'compiled ({a.mode}, CUDA graphs)' if compile else 'eager'}, bandwidth "
           f"{bw / 1e12:.2f} TB/s")
     print("| batch | ms / step | tokens/s | floor ms | floor / step | weights GB | KDA state GB | MLA cache GB |")
     print("|---|---|---|---|---|---|---|---|")
     for B, step, floor, parts, total in rows:
         print(f"| {B} | {step * 1e3:.2f} | {B / step:.0f} | {floor * 1e3:.2f} | {floor / step:.0%} | "
               f"{parts['weights'] / 1e9:.2f} | {parts['kda_state'] / 1e9:.3f} | {parts['mla_cache'] / 1e9:.3f} |")
+    if a.profile:
+        for B in a.batch:
+            profile(cfg, params, B, a.context, device)
 
 
 if __name__ == "__main__":

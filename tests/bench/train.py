@@ -48,7 +48,7 @@ def bench(a) -> dict:
     opt = torch.optim.AdamW(list(named.values()), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=device.type == "cuda")
     fp32_paths = frozenset(p for p, s in tree_items(param_specs(cfg)) if s.fp32)
-    backend = kimi.Backend(attn=a.attn, kda="chunk", moe="grouped", mla_form=a.mla_form)
+    backend = kimi.Backend(attn=a.attn, kda=a.kda, moe="grouped", mla_form=a.mla_form)
     fn = train.compiled_loss(a.compile_scope) if use_compile else train.loss_sum
     V, B, T = cfg.vocab_size, a.batch, a.seq
     ids = torch.randint(0, V, (B, T), device=device)
@@ -85,7 +85,8 @@ def bench(a) -> dict:
     tps = B * T / step_s
     flops = train.model_flops_per_token(cfg, T)
     peak = train.peak_flops(device)
-    return dict(model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token}",
+    return dict(model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
+                      f"kda={a.kda}",
                 params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True), shape=f"{B}x{T}",
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
@@ -106,6 +107,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
+    ap.add_argument("--kda", default="chunk_opaque", choices=["chunk", "chunk_opaque"],
+                    help="chunk_opaque: the KDA chunk core as one opaque op (fast compile); chunk: traced by Inductor")
     ap.add_argument("--mla-form", default="expanded", choices=["expanded", "absorbed"])
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="default: on for CUDA, off for CPU")
