@@ -19,7 +19,9 @@ Two kinds of registration:
 | indexer_topk                | -              | traceable  | no (integer output)     |
 | sparse_mla_eager, _sdpa     | attn, mla_form | traceable  | yes                     |
 | moe_experts_dense, _grouped | moe            | traceable  | yes                     |
+| moe_experts_gemv            | moe (few tokens on GPU) | traceable | yes                |
 | grouped_mm (+ _wgrad)       | (inside _grouped) | opaque  | yes (registered)        |
+| moe_gemv (Triton)           | (inside _gemv) | opaque     | yes (via grouped_mm)    |
 
 The model calls the functions at the bottom (`kda_core`, `indexer_topk`, `sparse_mla`, `moe_experts`); each
 picks its op from the frozen `Backend` in plain Python, which torch.compile resolves at trace time. Nothing
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import indexer, kda, mla, moe
+from . import indexer, kda, kernels, mla, moe
 from .config import Backend
 
 _LIB = torch.library.Library("kimi", "DEF")   # kept alive for the life of the process: ops vanish with it
@@ -100,6 +102,42 @@ def _grouped_mm_backward(ctx, dy):
 
 
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+# ---------------------------------------------------------------------------------------------- opaque: moe_gemv
+
+@torch.library.custom_op("kimi::moe_gemv", mutates_args=())
+def moe_gemv(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """Rows offs[e-1]:offs[e] of x [N, K] times w[e]ᵀ (w [E, M, K], any strides) -> [N, M]: `grouped_mm(x,
+    w.transpose(1, 2), offs)` for a few rows (decode), as the Triton kernel in kimi/kernels.py where it can run,
+    else its reference."""
+    if kernels.available(x.device):
+        return kernels.moe_gemv(x, w, offs)
+    return kernels.moe_gemv_reference(x, w, offs)
+
+
+@moe_gemv.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _moe_gemv_setup(ctx, inputs, output):
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _moe_gemv_backward(ctx, dy):   # y = x wᵀ per group: dx = dy w, dw = dyᵀ x
+    x, w, offs = ctx.saved_tensors
+    dy = dy.contiguous()
+    return grouped_mm(dy, w.contiguous(), offs), grouped_mm_wgrad(dy, x, offs), None
+
+
+moe_gemv.register_autograd(_moe_gemv_backward, setup_context=_moe_gemv_setup)
+
+
+def _gemv_mm(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
+    """`moe_gemv` behind `experts_grouped`'s grouped-matmul signature (w_t [E, K, M])."""
+    return moe_gemv(x, w_t.transpose(1, 2), offs)
 
 
 # ---------------------------------------------------------------------------------------------- opaque: KDA chunk
@@ -205,6 +243,20 @@ moe_experts_grouped = traceable(
     lambda z, idx, w, w1, w2, w3, b, bl: moe.experts_grouped(z, idx, w, w1, w2, w3, beta=b, beta_lin=bl,
                                                              mm=grouped_mm))
 
+moe_experts_gemv = traceable(
+    "moe_experts_gemv(Tensor z, Tensor idx, Tensor weight, Tensor w1, Tensor w2, Tensor w3, float beta, "
+    "float? beta_lin) -> Tensor",
+    lambda z, idx, w, w1, w2, w3, b, bl: moe.experts_grouped(z, idx, w, w1, w2, w3, beta=b, beta_lin=bl,
+                                                             mm=_gemv_mm))
+
+GEMV_MAX_TOKENS = 64
+"""`Backend(moe="grouped")` runs the experts through `moe_gemv` (one pass over each chosen expert's weights) for
+at most this many tokens on a GPU (decode), through `grouped_mm` above it."""
+
+
+def use_gemv(z: Tensor) -> bool:
+    return z.shape[0] <= GEMV_MAX_TOKENS and z.is_cuda and kernels.available(z.device)
+
 
 # ---------------------------------------------------------------------------------------------- dispatch points
 
@@ -240,6 +292,9 @@ def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: Tensor
 def moe_experts(z: Tensor, idx: Tensor, weight: Tensor, experts: dict, *, cfg, backend: Backend) -> Tensor:
     """Routed latent experts with post-down-projection weighting (MODEL.md §6.4). z [N, Z], idx [N, k] int64,
     weight [N, k] fp32, experts {w1, w3: [E, m, Z], w2: [E, Z, m]}. Returns the weighted sum [N, Z] in z's dtype."""
-    op = moe_experts_dense if backend.moe == "dense" else moe_experts_grouped
+    if backend.moe == "dense":
+        op = moe_experts_dense
+    else:
+        op = moe_experts_gemv if use_gemv(z) else moe_experts_grouped
     return op(z, idx, weight, experts["w1"], experts["w2"], experts["w3"], cfg.activation_situ_beta,
               cfg.activation_situ_linear_beta)

@@ -1,6 +1,7 @@
 """Test setup: fresh random inputs each run (the seed is printed so a failure can be replayed with
 KIMI_TEST_SEED=N), hypothesis without deadlines, a `gpu` marker that skips cleanly without CUDA, and a fresh
-Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: COMPILE.md B.3)."""
+Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: COMPILE.md B.3), and
+Triton's interpreter on machines without a GPU."""
 
 import os
 import random
@@ -11,6 +12,8 @@ import torch
 from hypothesis import settings
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="kimi-inductor-"))
+if not torch.cuda.is_available():   # Triton kernels (kimi/kernels.py) run through the interpreter; set before kimi
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # is imported: @triton.jit reads it when a kernel is defined
 settings.register_profile("default", deadline=None, print_blob=True)
 settings.load_profile("default")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

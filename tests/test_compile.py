@@ -108,6 +108,8 @@ def _op_samples():
         "sparse_mla_sdpa": (ops.sparse_mla_sdpa, (qm[:, 3:], c, kpe, kvb, vis, None, cfg.softmax_scale, False)),
         "moe_experts_dense": (ops.moe_experts_dense, (z, eidx, w, *ex, 4.0, 25.0)),
         "moe_experts_grouped": (ops.moe_experts_grouped, (z, eidx, w, *ex, 4.0, None)),
+        "moe_experts_gemv": (ops.moe_experts_gemv, (z, eidx, w, *ex, 4.0, 25.0)),
+        "moe_gemv": (torch.ops.kimi.moe_gemv.default, (torch.randn(12, 16), torch.randn(4, 8, 16), offs)),
         "grouped_mm": (torch.ops.kimi.grouped_mm.default, (torch.randn(12, 16), torch.randn(4, 16, 8), offs)),
         "grouped_mm_wgrad": (torch.ops.kimi.grouped_mm_wgrad.default, (torch.randn(12, 16), torch.randn(12, 8), offs)),
     }

@@ -1,0 +1,98 @@
+"""Hand-written Triton kernels, each beside its naive reference. Registered as opaque ops in `kimi/ops.py`.
+
+Triton is optional: without it (or without a GPU and without `TRITON_INTERPRET=1`) the references run. On the CPU
+the kernels run through Triton's interpreter (`TRITON_INTERPRET=1`, set by tests/conftest.py when there is no
+GPU), which is how CI tests them; the H200 runs the same tests compiled.
+
+`moe_gemv`: the routed experts' matmuls for a few tokens (decode). Rows arrive sorted by expert (`offs` the
+cumulative row counts, as for `F.grouped_mm`); each program takes one expert and one block of BLOCK_M outputs,
+streams that block of the expert's weight through once, and applies it to every row routed to the expert in
+blocks of 16. Experts nobody chose cost one load of two offsets. Decode is weight-bandwidth bound: at batch 1
+16 of 64 experts are touched, each by one row, where the grouped GEMM's 128-row tiles reach ~60 % of the copy
+bandwidth (tests/bench/decode.py --profile).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # the references below still run
+    triton = None
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on tensors of `device`."""
+    return triton is not None and (device.type == "cuda" or interpreted())
+
+
+# ---------------------------------------------------------------------------------------------- moe_gemv
+
+def moe_gemv_reference(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """y[r] = w[e] @ x[r] for the rows r of expert e (rows offs[e-1]:offs[e]). x [N, K], w [E, M, K], offs [E]
+    int32 cumulative -> y [N, M] in x's dtype (fp32 accumulation)."""
+    y = x.new_zeros(x.shape[0], w.shape[1])
+    bounds = [0, *offs.tolist()]
+    for e in range(w.shape[0]):
+        a, b = bounds[e], bounds[e + 1]
+        if b > a:
+            y[a:b] = (x[a:b].float() @ w[e].float().t()).to(x.dtype)
+    return y
+
+
+if triton is not None:
+    @triton.jit
+    def _moe_gemv_kernel(x_ptr, w_ptr, offs_ptr, y_ptr, M, K, stride_xn, stride_we, stride_wm, stride_wk,
+                         stride_yn, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        e = tl.program_id(0)
+        mt = tl.program_id(1)
+        end = tl.load(offs_ptr + e)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        w_base = w_ptr + e.to(tl.int64) * stride_we + m[:, None] * stride_wm
+        for r0 in range(start, end, ROWS):      # no iteration for an expert without rows
+            r = r0 + tl.arange(0, ROWS)
+            acc = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                w = tl.load(w_base + k[None, :] * stride_wk, mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+                xv = tl.load(x_ptr + r[:, None] * stride_xn + k[None, :], mask=(r[:, None] < end) & (k[None, :] < K),
+                             other=0.0)
+                if UPCAST:   # the interpreter's 16-bit dot is wrong (triton 3.9); fp32 is exact there
+                    acc += tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                elif IEEE:
+                    acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+                else:
+                    acc += tl.dot(xv, tl.trans(w))
+            tl.store(y_ptr + r[:, None] * stride_yn + m[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=(r[:, None] < end) & (m[None, :] < M))
+
+
+def moe_gemv(x: Tensor, w: Tensor, offs: Tensor, *, block_m: int = 64, block_k: int = 128) -> Tensor:
+    """The Triton kernel of `moe_gemv_reference` (same contract; w may be any strided view)."""
+    if not available(x.device):
+        raise RuntimeError("moe_gemv needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        raise ValueError(f"moe_gemv: x and w must share a float32/bfloat16/float16 dtype, got {x.dtype}, {w.dtype}")
+    x = x.contiguous()
+    N, K = x.shape
+    E, M, _ = w.shape
+    y = x.new_empty(N, M)
+    if N == 0:
+        return y
+    grid = (E, triton.cdiv(M, block_m))
+    _moe_gemv_kernel[grid](x, w, offs, y, M, K, x.stride(0), w.stride(0), w.stride(1), w.stride(2), y.stride(0),
+                           ROWS=16, BLOCK_M=block_m, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+                           UPCAST=interpreted() and x.dtype != torch.float32,
+                           num_warps=4, num_stages=4)
+    return y
