@@ -353,6 +353,10 @@ def run(a: Args, out=sys.stdout, err=sys.stderr) -> Result:
           f"{time.perf_counter() - t:.1f} s; tokenizer: {type(tok).__name__}", file=err)
     prompts = _read_prompts(a, tok)
     compile = a.compile if a.compile is not None else device.type == "cuda"
+    if compile:
+        print("compiling: one graph per distinct layer for the prefill and the decode step, then the decode step is "
+              "captured as a CUDA graph (minutes on a first run; Inductor's cache makes later runs faster; "
+              "--compile False skips it)", file=err)
     stream = a.stream and len(prompts) == 1
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 

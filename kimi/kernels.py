@@ -78,8 +78,19 @@ if triton is not None:
                      mask=(r[:, None] < end) & (m[None, :] < M))
 
 
-def moe_gemv(x: Tensor, w: Tensor, offs: Tensor, *, block_m: int = 64, block_k: int = 128) -> Tensor:
-    """The Triton kernel of `moe_gemv_reference` (same contract; w may be any strided view)."""
+if triton is not None:
+    # Block shapes for the GPU, tuned on the first call per (M, K) (decode warm-up, outside any CUDA-graph capture;
+    # every config writes y only, so the tuning reruns are harmless).
+    _moe_gemv_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=nw, num_stages=ns)
+                 for bm, bk, nw, ns in [(32, 128, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 8, 4),
+                                        (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3)]],
+        key=["M", "K"])(_moe_gemv_kernel)
+
+
+def moe_gemv(x: Tensor, w: Tensor, offs: Tensor, *, block_m: int | None = None, block_k: int | None = None) -> Tensor:
+    """The Triton kernel of `moe_gemv_reference` (same contract; w may be any strided view). Block shapes are
+    autotuned on a GPU unless given (the interpreter uses 64 x 128 by default)."""
     if not available(x.device):
         raise RuntimeError("moe_gemv needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
@@ -90,9 +101,12 @@ def moe_gemv(x: Tensor, w: Tensor, offs: Tensor, *, block_m: int = 64, block_k: 
     y = x.new_empty(N, M)
     if N == 0:
         return y
-    grid = (E, triton.cdiv(M, block_m))
-    _moe_gemv_kernel[grid](x, w, offs, y, M, K, x.stride(0), w.stride(0), w.stride(1), w.stride(2), y.stride(0),
-                           ROWS=16, BLOCK_M=block_m, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                           UPCAST=interpreted() and x.dtype != torch.float32,
-                           num_warps=4, num_stages=4)
+    args = (x, w, offs, y, M, K, x.stride(0), w.stride(0), w.stride(1), w.stride(2), y.stride(0))
+    flags = dict(ROWS=16, IEEE=x.dtype == torch.float32, UPCAST=interpreted() and x.dtype != torch.float32)
+    if block_m is None and block_k is None and not interpreted():
+        _moe_gemv_tuned[lambda meta: (E, triton.cdiv(M, meta["BLOCK_M"]))](*args, **flags)
+    else:
+        block_m, block_k = block_m or 64, block_k or 128
+        _moe_gemv_kernel[(E, triton.cdiv(M, block_m))](*args, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+                                                       num_stages=4, **flags)
     return y
