@@ -98,33 +98,43 @@ class CudaGraphStep:
     """`fn(params, ids, cache) -> Tensor` captured as one CUDA graph on its first CUDA call, then replayed.
 
     Each call copies `ids` into the graph's static input and replays every kernel of the step with one launch; the
-    returned tensor is the graph's static output (read it before the next call). The cache's buffers are written
-    in place by the replay, so they must stay the same tensors (`kimi.reset_cache` them, do not reallocate);
-    the parameters too. A call with another cache, batch shape or parameter tree captures again. The warm-up
-    calls that compile and autotune run on a scratch copy of the cache, so the real cache advances exactly once
-    per call. Off CUDA, `fn` is simply called."""
+    returned tensor is the graph's static output (read it before the next call). The replay reads the parameters
+    and reads and writes the cache's buffers at the addresses they had at capture, so both must keep their tensors
+    (`kimi.reset_cache` a cache, do not swap its buffers). Another cache or parameter tree (a different dict) or
+    another batch shape captures again; the captured ones are held until then, so their memory cannot be reused
+    under the graph. Each call checks the free cache slots on the host (the graph itself cannot raise): one small
+    sync per step. The warm-up calls that compile and autotune run on a scratch cache that shares the MLA buffers
+    (the step rewrites the slot they touch) and copies the rest, so the real cache advances exactly once per call.
+    Off CUDA, `fn` is simply called."""
 
     def __init__(self, fn: Callable, warmup: int = 2):
         self.fn, self.warmup = fn, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.key = None
+        self.params: dict | None = None
+        self.cache: dict | None = None
         self.ids: Tensor | None = None
         self.out: Tensor | None = None
 
     def __call__(self, params: dict, ids: Tensor, cache: dict) -> Tensor:
         if ids.device.type != "cuda":
             return self.fn(params, ids, cache)
-        key = (tuple(ids.shape), ids.dtype, cache["pos"].data_ptr(),
-               params["model"]["embed_tokens"]["weight"].data_ptr())
-        if key != self.key:
+        pos = int(cache["pos"])
+        if pos + ids.shape[1] > cache["max_len"]:
+            raise kimi.CacheError(f"cache overflow: {pos} slots used + {ids.shape[1]} new tokens > "
+                                  f"max_len={cache['max_len']}")
+        if params is not self.params or cache is not self.cache or self.ids is None or \
+                self.ids.shape != ids.shape or self.ids.dtype != ids.dtype:
             self._capture(params, ids, cache)
-            self.key = key
         self.ids.copy_(ids)
         self.graph.replay()
         return self.out
 
     def _capture(self, params: dict, ids: Tensor, cache: dict):
-        scratch = kimi.clone_cache(cache)
+        self.graph = self.out = self.ids = self.params = self.cache = None    # release the previous capture
+        shared = ("kv", "index_k")
+        scratch = {"pos": cache["pos"].clone(), "start": cache["start"], "max_len": cache["max_len"],
+                   "layers": [{k: t if k in shared else t.clone() for k, t in layer.items()}
+                              for layer in cache["layers"]]}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):      # compile, autotune and allocate outside the capture
@@ -137,6 +147,7 @@ class CudaGraphStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = self.fn(params, self.ids, cache)
+        self.params, self.cache = params, cache
 
 
 def make_steps(cfg: kimi.ModelConfig, backend: kimi.Backend, compile: bool,
@@ -161,7 +172,9 @@ def make_steps(cfg: kimi.ModelConfig, backend: kimi.Backend, compile: bool,
     if not compile:
         eager = last_logits(kimi.forward)
         return eager, eager
-    regional = last_logits(kimi.compile_layers(**({"fullgraph": True} | compile_options)))
+    # `mode` is dropped: "reduce-overhead" would put Inductor's own CUDA graphs inside the manual capture.
+    options = {"fullgraph": True} | {k: v for k, v in compile_options.items() if k != "mode"}
+    regional = last_logits(kimi.compile_layers(**options))
     return regional, CudaGraphStep(regional)
 
 

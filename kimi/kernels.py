@@ -5,11 +5,12 @@ the kernels run through Triton's interpreter (`TRITON_INTERPRET=1`, set by tests
 GPU), which is how CI tests them; the H200 runs the same tests compiled.
 
 `moe_gemv`: the routed experts' matmuls for a few tokens (decode). Rows arrive sorted by expert (`offs` the
-cumulative row counts, as for `F.grouped_mm`); each program takes one expert and one block of BLOCK_M outputs,
-streams that block of the expert's weight through once, and applies it to every row routed to the expert in
-blocks of 16. Experts nobody chose cost one load of two offsets. Decode is weight-bandwidth bound: at batch 1
-16 of 64 experts are touched, each by one row, where the grouped GEMM's 128-row tiles reach ~60 % of the copy
-bandwidth (tests/bench/decode.py --profile).
+cumulative row counts, as for `F.grouped_mm`). The grid runs over row slots x blocks of BLOCK_M outputs, not over
+experts: the program at the first row of an expert's group streams that block of the expert's weight through
+once per 16 rows of the group (once at decode sizes) and writes all of them; the programs at the other rows do
+nothing. So the launch scales with the rows (16 at batch 1), not with the experts (896 in the release, most
+unchosen). Decode is weight-bandwidth bound: at batch 1 16 of 64 experts are touched, each by one row, where the
+grouped GEMM's 128-row tiles reach ~60 % of the copy bandwidth (tests/bench/decode.py --profile).
 """
 
 from __future__ import annotations
@@ -51,16 +52,17 @@ def moe_gemv_reference(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 if triton is not None:
     @triton.jit
-    def _moe_gemv_kernel(x_ptr, w_ptr, offs_ptr, y_ptr, M, K, stride_xn, stride_we, stride_wm, stride_wk,
-                         stride_yn, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _moe_gemv_kernel(x_ptr, w_ptr, offs_ptr, eid_ptr, y_ptr, M, K, stride_xn, stride_we, stride_wm,
+                         stride_wk, stride_yn, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          IEEE: tl.constexpr, UPCAST: tl.constexpr):
-        e = tl.program_id(0)
+        i = tl.program_id(0)                    # a row slot; only the first row of each expert's group works
         mt = tl.program_id(1)
-        end = tl.load(offs_ptr + e)
+        e = tl.load(eid_ptr + i)
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.where(i == start, tl.load(offs_ptr + e), start)
         m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
         w_base = w_ptr + e.to(tl.int64) * stride_we + m[:, None] * stride_wm
-        for r0 in range(start, end, ROWS):      # no iteration for an expert without rows
+        for r0 in range(start, end, ROWS):      # no iteration unless this slot starts its group
             r = r0 + tl.arange(0, ROWS)
             acc = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -97,16 +99,18 @@ def moe_gemv(x: Tensor, w: Tensor, offs: Tensor, *, block_m: int | None = None, 
         raise ValueError(f"moe_gemv: x and w must share a float32/bfloat16/float16 dtype, got {x.dtype}, {w.dtype}")
     x = x.contiguous()
     N, K = x.shape
-    E, M, _ = w.shape
+    M = w.shape[1]
     y = x.new_empty(N, M)
     if N == 0:
         return y
-    args = (x, w, offs, y, M, K, x.stride(0), w.stride(0), w.stride(1), w.stride(2), y.stride(0))
+    # the expert of each sorted row: the number of group ends at or before it (static shapes, no host sync)
+    eid = torch.searchsorted(offs, torch.arange(N, device=x.device, dtype=offs.dtype), right=True, out_int32=True)
+    args = (x, w, offs, eid, y, M, K, x.stride(0), w.stride(0), w.stride(1), w.stride(2), y.stride(0))
     flags = dict(ROWS=16, IEEE=x.dtype == torch.float32, UPCAST=interpreted() and x.dtype != torch.float32)
     if block_m is None and block_k is None and not interpreted():
-        _moe_gemv_tuned[lambda meta: (E, triton.cdiv(M, meta["BLOCK_M"]))](*args, **flags)
+        _moe_gemv_tuned[lambda meta: (N, triton.cdiv(M, meta["BLOCK_M"]))](*args, **flags)
     else:
         block_m, block_k = block_m or 64, block_k or 128
-        _moe_gemv_kernel[(E, triton.cdiv(M, block_m))](*args, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        _moe_gemv_kernel[(N, triton.cdiv(M, block_m))](*args, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
                                                        num_stages=4, **flags)
     return y

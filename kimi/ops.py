@@ -95,10 +95,12 @@ def _grouped_mm_setup(ctx, inputs, output):
     ctx.save_for_backward(x, w, offs)
 
 
-def _grouped_mm_backward(ctx, dy):
+def _grouped_mm_backward(ctx, dy):   # only the gradients autograd asks for (frozen experts under LoRA: no [E, ...] dw)
     x, w, offs = ctx.saved_tensors
     dy = dy.contiguous()
-    return grouped_mm(dy, w.transpose(1, 2), offs), grouped_mm_wgrad(x, dy, offs), None
+    dx = grouped_mm(dy, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+    dw = grouped_mm_wgrad(x, dy, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
 
 
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
@@ -126,10 +128,12 @@ def _moe_gemv_setup(ctx, inputs, output):
     ctx.save_for_backward(x, w, offs)
 
 
-def _moe_gemv_backward(ctx, dy):   # y = x wᵀ per group: dx = dy w, dw = dyᵀ x
+def _moe_gemv_backward(ctx, dy):   # y = x wᵀ per group: dx = dy w, dw = dyᵀ x (each only when asked for)
     x, w, offs = ctx.saved_tensors
     dy = dy.contiguous()
-    return grouped_mm(dy, w.contiguous(), offs), grouped_mm_wgrad(dy, x, offs), None
+    dx = grouped_mm(dy, w.contiguous(), offs) if ctx.needs_input_grad[0] else None
+    dw = grouped_mm_wgrad(dy, x, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
 
 
 moe_gemv.register_autograd(_moe_gemv_backward, setup_context=_moe_gemv_setup)
@@ -186,7 +190,7 @@ def kda_chunk_opaque_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 def _(q, k, v, g, beta, scale, initial_state, reset, chunk_size, do, ds):
     B, H, K, V = q.shape[0], q.shape[2], q.shape[3], v.shape[-1]
     s_dtype = initial_state.dtype if initial_state is not None else _kda_state_dtype(q.dtype)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta),
+    return (*(t.new_empty(t.shape) for t in (q, k, v, g, beta)),    # contiguous, like the real outputs
             q.new_empty(B, H, K, V, dtype=s_dtype))
 
 

@@ -60,3 +60,19 @@ def test_decode_experts_through_gemv_equal_dense(monkeypatch):
     got = kimi.forward(params, ids, cfg, kimi.Backend(moe="grouped"))
     want = kimi.forward(params, ids, cfg, kimi.Backend(moe="dense"))
     assert rel_err(got, want) < 1e-5
+
+
+def test_moe_gemv_frozen_weights_get_no_gradient():
+    """Frozen experts (LoRA): the backward computes dx only; dw, an [E, M, K] tensor, is never built."""
+    x, w, offs = _routed([1, 2, 0, 3], K=32, M=16, dtype=torch.float32, transposed=False)
+    x.requires_grad_()
+    calls = []
+    orig = ops.grouped_mm_wgrad
+    ops.grouped_mm_wgrad = lambda *a: calls.append(1) or orig(*a)
+    try:
+        (gx,) = torch.autograd.grad(ops.moe_gemv(x, w, offs).square().sum(), (x,))
+    finally:
+        ops.grouped_mm_wgrad = orig
+    x64 = x.detach().double().requires_grad_()
+    (rx,) = torch.autograd.grad(kernels.moe_gemv_reference(x64, w.double(), offs).square().sum(), (x64,))
+    assert not calls and rel_err(gx.double(), rx) < 1e-5
