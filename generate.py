@@ -156,7 +156,7 @@ def make_steps(cfg: kimi.ModelConfig, backend: kimi.Backend, compile: bool,
     in fp32.
 
     Compiled, both run the decoder layers through `kimi.compile_layers`: one graph per distinct layer, so compile
-    time grows with the number of layer kinds, not with depth (the release's 93 layers are a few dozen graphs; one
+    time grows with the number of layer kinds, not with depth (the release's 93 layers are 7 graphs; one
     whole-model graph would take many minutes). The prefill compiles for its first length and, on another length,
     once more with dynamic shapes (Dynamo's automatic dynamic). On CUDA the whole decode step (embedding, every
     layer, head) is then captured as one CUDA graph (`CudaGraphStep`): a step is one launch. `compile_options` go

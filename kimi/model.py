@@ -34,16 +34,17 @@ from .config import Backend, ModelConfig
 DEFAULT_BACKEND = Backend()
 
 
-def attn_res_mix(P: Tensor, R: list[Tensor], p_norm: dict, p_proj: dict, eps: float) -> Tensor:
-    """Mix(P, R) of MODEL.md §3.3: P [B, T, D] and entries R (each [B, T, D]) -> [B, T, D] in P's dtype.
-    The norm weight enters only the pseudo-query; the mixed values are the raw entries."""
-    V = torch.stack([*R, P], dim=-2)                                         # [B, T, n+1, D]
+def attn_res_mix(P: Tensor, R: list[Tensor] | Tensor, p_norm: dict, p_proj: dict, eps: float) -> Tensor:
+    """Mix(P, R) of MODEL.md §3.3: P [B, T, D] and entries R (a list of [B, T, D], or one stacked [n, B, T, D]
+    tensor) -> [B, T, D] in P's dtype. The norm weight enters only the pseudo-query; the mixed values are the raw
+    entries."""
+    V = torch.cat([R, P[None]]) if isinstance(R, Tensor) else torch.stack([*R, P])   # [n+1, B, T, D]
     ct = compute_dtype(V.dtype)
     Vf = V.to(ct)
     keys = Vf * torch.rsqrt(Vf.pow(2).mean(-1, keepdim=True) + eps)
     query = p_norm["weight"].to(ct) * p_proj["weight"][0].to(ct)             # [D]
-    alpha = torch.softmax((keys * query).sum(-1), dim=-1)                   # [B, T, n+1]; no 1/sqrt(D)
-    return (alpha[..., None] * Vf).sum(-2).to(P.dtype)
+    alpha = torch.softmax((keys * query).sum(-1), dim=0)                    # [n+1, B, T]; no 1/sqrt(D)
+    return (alpha[..., None] * Vf).sum(0).to(P.dtype)
 
 
 def document_runs(document_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -95,9 +96,9 @@ def layer_step(p: dict, h: Tensor, R: list[Tensor], plan: tuple[str, bool, bool]
         h = h + attn(h)
         return h + ffn(h), R
     P = h
-    a_in = attn_res_mix(P, R, p["self_attention_res_norm"], p["self_attention_res_proj"], eps) if R else P
-    if opens_block:
-        R, P = [*R, P], None                   # close the block: its sum becomes a frozen entry
+    a_in = attn_res_mix(P, R, p["self_attention_res_norm"], p["self_attention_res_proj"], eps) if len(R) else P
+    if opens_block:                            # close the block: its sum becomes a frozen entry
+        R, P = (torch.cat([R, P[None]]) if isinstance(R, Tensor) else [*R, P]), None
     a_out = attn(a_in)
     P = a_out if P is None else P + a_out
     m_in = attn_res_mix(P, R, p["mlp_res_norm"], p["mlp_res_proj"], eps)
@@ -128,9 +129,11 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
 def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dict]]:
     """`forward` with its decoder layers run through one `torch.compile`d `layer_step` (regional compilation).
 
-    Layers with the same `layer_plan` and the same number of closed attention-residual entries share one compiled
-    graph, so compile time grows with the number of distinct layer kinds, not with depth: the release's 93 layers
-    are a few dozen graphs, not one graph 93 layers long. (`torch.compiler.nested_compile_region` would do this
+    Layers with the same `layer_plan` share one compiled graph, so compile time grows with the number of distinct
+    layer kinds, not with depth. The closed attention-residual entries travel as one stacked [n, B, T, D] tensor
+    whose count is marked dynamic from 2 on (0 and 1 are always specialized), so each plan has at most three graphs:
+    the release's 93 layers compile 7 graphs (24 with the count static), not one graph 93 layers long.
+    (`torch.compiler.nested_compile_region` would do this
     inside one fullgraph, but it gives wrong gradients for reused regions with Inductor on torch 2.11 CUDA and
     2.13 CPU; see common.py.) Embedding, the output mix and the head run eagerly; the layer loop is Python.
     `compile_kwargs` go to `torch.compile` (e.g. `dynamic=True`, `backend=...`). Same signature as `forward`.
@@ -140,17 +143,22 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
                                                            1024)
     compiled = torch.compile(layer_step, **compile_kwargs)
 
+    def layer(p, h, R, *args, **kwargs):
+        if R.shape[0] >= 2:
+            torch._dynamo.mark_dynamic(R, 0)
+        return compiled(p, h, R, *args, **kwargs)
+
     def regional_forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
                          document_ids: Tensor | None = None, cache: dict | None = None):
         with torch.no_grad() if cache is not None else contextlib.nullcontext():
             return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache,
-                            layer=compiled)
+                            layer=layer, stacked=True)
 
     regional_forward.__doc__ = forward.__doc__
     return regional_forward
 
 
-def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=layer_step):
+def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=layer_step, stacked=False):
     backend = backend or DEFAULT_BACKEND
     cfg = config
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -175,7 +183,7 @@ def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=l
     seg, reset = document_runs(document_ids) if cache is None else (None, None)
     m = params["model"]
     h = torch.nn.functional.embedding(input_ids, m["embed_tokens"]["weight"])
-    R: list[Tensor] = []
+    R: list[Tensor] | Tensor = h.new_empty(0, *h.shape) if stacked else []
     for i, p in enumerate(m["layers"]):
         h, R = layer(p, h, R, layer_plan(cfg, i), cfg, backend, seg=seg, reset=reset,
                      cache=None if cache is None else cache["layers"][i], step=step)
