@@ -72,11 +72,12 @@ def decoder_layer(p: dict, h: Tensor, R: list[Tensor], i: int, cfg: ModelConfig,
     return layer_step(p, h, R, layer_plan(cfg, i), cfg, backend, seg=seg, reset=reset, cache=cache, step=step)
 
 
-def layer_step(p: dict, h: Tensor, R: list[Tensor], plan: tuple[str, bool, bool], cfg: ModelConfig,
+def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bool, bool], cfg: ModelConfig,
                backend: Backend, *, seg: Tensor | None, reset: Tensor | None, cache: dict | None = None,
                step: Step | None = None) -> tuple[Tensor, list[Tensor]]:
     """`decoder_layer` given the layer's `layer_plan` instead of its index, so one compiled graph of it serves
-    every layer with the same plan (`compile_layers`)."""
+    every layer with the same plan (`compile_layers`). R is a list, or (in `compile_layers`) one stacked
+    [n, B, T, D] tensor; it is returned in the same form."""
     kind, is_moe, opens_block = plan
     eps = cfg.rms_norm_eps
 
