@@ -74,7 +74,7 @@ def decoder_layer(p: dict, h: Tensor, R: list[Tensor], i: int, cfg: ModelConfig,
 
 def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bool, bool], cfg: ModelConfig,
                backend: Backend, *, seg: Tensor | None, reset: Tensor | None, cache: dict | None = None,
-               step: Step | None = None) -> tuple[Tensor, list[Tensor]]:
+               step: Step | None = None) -> tuple[Tensor, list[Tensor] | Tensor]:
     """`decoder_layer` given the layer's `layer_plan` instead of its index, so one compiled graph of it serves
     every layer with the same plan (`compile_layers`). R is a list, or (in `compile_layers`) one stacked
     [n, B, T, D] tensor; it is returned in the same form."""
