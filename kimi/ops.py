@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import indexer, kda, kernels, mla, moe
+from .common import compute_dtype
 from .config import Backend
 
 _LIB = torch.library.Library("kimi", "DEF")   # kept alive for the life of the process: ops vanish with it
@@ -164,11 +165,7 @@ def kda_chunk_opaque(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
 @kda_chunk_opaque.register_fake
 def _(q, k, v, g, beta, scale, initial_state, reset, chunk_size=64):
     B, T, H, K = q.shape
-    return v.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=_kda_state_dtype(q.dtype))
-
-
-def _kda_state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return v.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=compute_dtype(q.dtype))
 
 
 @torch.library.custom_op("kimi::kda_chunk_opaque_bwd", mutates_args=())
@@ -181,7 +178,7 @@ def kda_chunk_opaque_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     fn = _kda_chunk_fn(scale, chunk_size)
     B, T, H, K = q.shape
     s0 = initial_state if initial_state is not None else q.new_zeros(B, H, K, v.shape[-1],
-                                                                    dtype=_kda_state_dtype(q.dtype))
+                                                                    dtype=compute_dtype(q.dtype))
     _, vjp = torch.func.vjp(lambda q, k, v, g, beta, s0: fn(q, k, v, g, beta, s0, reset), q, k, v, g, beta, s0)
     return tuple(t.contiguous() for t in vjp((do, ds)))
 
@@ -189,7 +186,7 @@ def kda_chunk_opaque_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 @kda_chunk_opaque_bwd.register_fake
 def _(q, k, v, g, beta, scale, initial_state, reset, chunk_size, do, ds):
     B, H, K, V = q.shape[0], q.shape[2], q.shape[3], v.shape[-1]
-    s_dtype = initial_state.dtype if initial_state is not None else _kda_state_dtype(q.dtype)
+    s_dtype = initial_state.dtype if initial_state is not None else compute_dtype(q.dtype)
     return (*(t.new_empty(t.shape) for t in (q, k, v, g, beta)),    # contiguous, like the real outputs
             q.new_empty(B, H, K, V, dtype=s_dtype))
 

@@ -90,15 +90,21 @@ def fill_cache(cache: dict, context: int):
     cache["pos"].fill_(context)
 
 
-def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "graph") -> float:
-    cache = kimi.init_cache(cfg, B, context + steps + 8, dtype=params["model"]["embed_tokens"]["weight"].dtype,
-                            device=device)
+def decode_setup(cfg, params, B, context, max_len, device):
+    """A cache of max_len slots filled to `context`, the backend, one eager decode step and its input ids."""
+    cache = kimi.init_cache(cfg, B, max_len, dtype=params["model"]["embed_tokens"]["weight"].dtype, device=device)
+    fill_cache(cache, context)
     backend = kimi.Backend(mla_form="absorbed")
 
     def step(params, ids, cache):
         logits, _ = kimi.forward(params, ids, cfg, backend, cache=cache)
         return logits[:, -1]
 
+    return cache, backend, step, torch.randint(0, min(cfg.vocab_size, 256), (B, 1), device=device)
+
+
+def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "graph") -> float:
+    cache, backend, step, ids = decode_setup(cfg, params, B, context, context + steps + 8, device)
     if not compile:
         fn = step
     elif mode == "graph":      # what generate.py runs: regional compile, the whole step as one CUDA graph
@@ -107,8 +113,6 @@ def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "gr
     else:                      # one fullgraph of the whole step under cudagraph trees
         fn = torch.compile(step, fullgraph=True, mode="reduce-overhead")
         kimi.mark_static(cache)
-    ids = torch.randint(0, min(cfg.vocab_size, 256), (B, 1), device=device)
-    fill_cache(cache, context)
     t = time.perf_counter()
     with torch.no_grad():
         for _ in range(3):
@@ -130,17 +134,8 @@ def profile(cfg, params, B, context, device, steps: int = 5, top: int = 30):
     """Per-kernel GPU time of one compiled decode step (no CUDA graphs, so each kernel is its own launch; the
     kernels are the ones the graph replays). Prints kernels per step, their summed time, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
-    cache = kimi.init_cache(cfg, B, context + steps + 16, dtype=params["model"]["embed_tokens"]["weight"].dtype,
-                            device=device)
-    backend = kimi.Backend(mla_form="absorbed")
-
-    def step(params, ids, cache):
-        logits, _ = kimi.forward(params, ids, cfg, backend, cache=cache)
-        return logits[:, -1]
-
+    cache, _, step, ids = decode_setup(cfg, params, B, context, context + steps + 16, device)
     fn = torch.compile(step, fullgraph=True)
-    ids = torch.randint(0, min(cfg.vocab_size, 256), (B, 1), device=device)
-    fill_cache(cache, context)
     with torch.no_grad():
         for _ in range(3):
             fn(params, ids, cache)
