@@ -142,7 +142,7 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
                                                            1024)
-    compiled = torch.compile(layer_step, **compile_kwargs)
+    compiled = torch.compile(layer_step, **_inductor_workarounds(compile_kwargs))
 
     def layer(p, h, R, *args, **kwargs):
         if R.shape[0] >= 2:
@@ -157,6 +157,29 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
 
     regional_forward.__doc__ = forward.__doc__
     return regional_forward
+
+
+def _inductor_workarounds(compile_kwargs: dict) -> dict:
+    """Inductor options that compile_layers needs on older torch. Before 2.13, Inductor's mix-order reduction (the
+    fused row+column sums of an RMSNorm backward) writes its final `workspace[a * n * m : ...]` slice without
+    parentheses around a symbolic split count, so with the stacked-R count marked dynamic the backward fails at run
+    time ("shape '[768, 2048]' is invalid for input of size 256", torch 2.11 on the H200). It is switched off there;
+    `mode=` is folded into the same options (torch.compile takes one or the other)."""
+    if (compile_kwargs.get("backend", "inductor") != "inductor" or _torch_version() >= (2, 13)
+            or not hasattr(torch._inductor.config.triton, "mix_order_reduction")):
+        return compile_kwargs
+    kwargs = dict(compile_kwargs)
+    options = dict(kwargs.pop("options", None) or {})
+    mode = kwargs.pop("mode", None)
+    if mode not in (None, "default"):
+        options = {**torch._inductor.list_mode_options(mode), **options}
+    options.setdefault("triton.mix_order_reduction", False)
+    return {**kwargs, "options": options}
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=layer_step, stacked=False):

@@ -74,7 +74,13 @@ def test_generate_decode_cuda_graph_equals_eager(inductor):
         want, ref = kimi.forward(params, tok, cfg, backend, cache=ref)
         assert int(cache["pos"]) == 7 + i
         assert rel_err(out, want[:, -1].float()) < 1e-4
-    assert decode.graph is not None
+    assert decode.graph is not None and decode.pos[2] == int(cache["pos"]) == 10    # the host copy kept up
+    cache["pos"].fill_(16)                      # written outside the graph: the next call re-reads it
+    with pytest.raises(kimi.CacheError, match="cache overflow"):
+        decode(params, tok, cache)
+    cache["pos"].fill_(15)
+    decode(params, tok, cache)
+    assert int(cache["pos"]) == decode.pos[2] == 16
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (9, 4)]
     greedy = gen.Sampling(temperature=0)
     want = gen.generate(params, cfg, prompts, max_new_tokens=5, sampling=greedy, backend=backend)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks the notes report, each under a time limit, results in $OUT (default ./bench-out).
-#   bash tests/bench/gpu_all.sh tests decode generate      # GPU tests, decode benchmark + profile, generate.py
-#   bash tests/bench/gpu_all.sh compile                    # medium forward+backward, regional, both KDA cores
+#   bash tests/bench/gpu_all.sh tests decode generate      # GPU tests, decode benchmark, generate.py
+#   bash tests/bench/gpu_all.sh profile                    # decode benchmark + per-kernel profile
+#   bash tests/bench/gpu_all.sh compile                    # medium forward+backward, regional, opaque KDA core
+#   bash tests/bench/gpu_all.sh compile-chunk              # the same with the KDA core traced by Inductor
 #   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths
 # Each part prints "<part> rc=<exit code> <seconds> s" at the end of its file; rc 124 means it hit its limit.
 set -u
@@ -20,15 +22,18 @@ for part in "$@"; do
   case $part in
     tests) run tests 200 python -m pytest -q -x tests/test_kernels.py tests/test_gpu.py \
              tests/test_decode.py::test_decode_step_cuda_graphs ;;
-    decode) run decode 220 python -W ignore tests/bench/decode.py --profile ;;
+    decode) run decode 120 python -W ignore tests/bench/decode.py ;;
+    profile) run profile 220 python -W ignore tests/bench/decode.py --profile ;;
     generate)
       python -c "import kimi; c = kimi.preset('tiny'); kimi.save_checkpoint('$OUT/tiny-ckpt', c, kimi.init_params(c, seed=0))" \
         2>/dev/null || true
       run generate 150 python -W ignore generate.py --checkpoint "$OUT/tiny-ckpt" --prompt "def forward(" \
         --max-new-tokens 300 --sampling.temperature 0 ;;
-    compile) run compile 560 python -W ignore tests/bench/compile.py --presets medium --devices cuda --batch 2 \
-               --regional --passes forward+backward --kda chunk_opaque chunk ;;
+    compile) run compile 400 python -W ignore tests/bench/compile.py --presets medium --devices cuda --batch 2 \
+               --regional --passes forward+backward --kda chunk_opaque ;;
+    compile-chunk) run compile-chunk 560 python -W ignore tests/bench/compile.py --presets medium --devices cuda \
+                     --batch 2 --regional --passes forward+backward --kda chunk ;;
     train) run train 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 ;;
-    *) echo "unknown part $part (tests, decode, generate, compile, train)"; exit 2 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, train)"; exit 2 ;;
   esac
 done

@@ -68,9 +68,10 @@ def bench(a) -> dict:
             torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    for _ in range(a.warmup):
+    for i in range(a.warmup):
         step()
-    sync()
+        sync()
+        print(f"  warm-up step {i + 1}/{a.warmup} done at {time.perf_counter() - t0:.0f} s", flush=True)
     warm_s = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
