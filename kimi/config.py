@@ -237,7 +237,7 @@ class ModelConfig:
 # ---------------------------------------------------------------------------------------------- Backend
 
 AttnBackend = Literal["eager", "sdpa"]
-KDABackend = Literal["recurrent", "chunk", "chunk_opaque"]
+KDABackend = Literal["recurrent", "chunk", "chunk_opaque", "chunk_triton"]
 MoEBackend = Literal["dense", "grouped"]
 MLAForm = Literal["expanded", "absorbed"]
 
@@ -256,7 +256,9 @@ class Backend:
     """'recurrent' (token-by-token loop, the float64-capable definition), 'chunk' (chunkwise-parallel, fp32
     accumulation, chunk 64; traced by torch.compile) or 'chunk_opaque' (the same computation as one opaque op:
     torch.compile does not trace into it, which cuts compile time several-fold, and its backward recomputes the
-    forward through `torch.func.vjp`, saving only the inputs; the slot a fused KDA kernel fills)."""
+    forward through `torch.func.vjp`, saving only the inputs) or 'chunk_triton' ('chunk' with the sequential
+    chunk-to-chunk state pass as one Triton kernel, forward and backward, instead of a loop of small matmuls;
+    float32/bfloat16 inputs on a GPU, or on the CPU under TRITON_INTERPRET=1)."""
     moe: MoEBackend = "grouped"
     """'dense' (every expert on every token, weights zero where unselected: the any-dtype reference) or
     'grouped' (tokens sorted by expert, F.grouped_mm; float32/bfloat16 only)."""

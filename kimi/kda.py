@@ -32,6 +32,8 @@ autograd); fine for tests and moderate sizes, not for K3-size training (the FLA 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -224,7 +226,7 @@ def _intra_chunk(a: Tensor, k: Tensor, gs: Tensor, R: Tensor, E_diag: Tensor) ->
 
 def kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float,
               initial_state: Tensor | None = None, reset: Tensor | None = None,
-              chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+              chunk_size: int = 64, states: Callable | None = None) -> tuple[Tensor, Tensor]:
     """KDA chunkwise-parallel (KDA.md §8.1-8.3); same contract and result as `kda_recurrent`.
 
     q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K], beta [B, T, H], initial_state [B, H, K, V] or None,
@@ -245,6 +247,11 @@ def kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
     factors, backward from the chunk end for state-facing ones, from the sub-chunk anchor for pairwise ones)
     rather than as a difference of two chunk prefix sums: with −1000 gates a prefix sum reaches −10⁴, and the
     difference of two such fp32 numbers loses ~1e-4 of relative accuracy in every factor.
+
+    The handoff between chunks is the only sequential part. By default it is a `scan` whose step also forms the
+    chunk's output (small matmuls, one chunk at a time). With `states` (`kernels.delta_states`' contract, e.g. the
+    Triton op `kimi::kda_states`) only the state recurrence runs in order; every chunk's output
+    O = Q̃ S_n + Aqk U' is then one batched matmul over all chunks.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -308,6 +315,12 @@ def kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
     decay_s0 = torch.where(carry[..., None], gam[..., -1, :], float("-inf")).exp()  # [B, H, N, K]
 
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    if states is not None:
+        flat = [t.expand(B, H, *t.shape[2:]).reshape(B * H, *t.shape[2:]) for t in (u, w, k_out, decay_s0, S)]
+        hs, U, S = states(*flat)
+        o = q_s0 @ hs.view(B, H, N, K, V) + Aqk @ U.view(B, H, N, C, V)               # [B, H, N, C, V]
+        o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
+        return o.to(out_dt), S.view(B, H, K, V)
 
     def handoff(S, x):  # the only sequential part: chunk n's output and outgoing state
         u_n, w_n, q_n, A_n, k_n, d_n = x

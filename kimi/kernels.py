@@ -114,3 +114,133 @@ def moe_gemv(x: Tensor, w: Tensor, offs: Tensor, *, block_m: int | None = None, 
         _moe_gemv_kernel[(N, triton.cdiv(M, block_m))](*args, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
                                                        num_stages=4, **flags)
     return y
+
+
+# ---------------------------------------------------------------------------------------------- delta_states
+
+def delta_states_reference(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The sequential part of chunked KDA (`kda.kda_chunk`): chunk n's entering state S_n, its corrected values U_n
+    and the final state, for chunks n = 0..N-1 of every row (b, h) folded into the first dim:
+
+        U_n     = u_n − w_n S_n                [C, V]
+        S_{n+1} = diag(d_n) S_n + k_nᵀ U_n     [K, V],   S_0 = s0
+
+    u [R, N, C, V], w and k [R, N, C, K], d [R, N, K], s0 [R, K, V] -> (S_n stacked [R, N, K, V], U [R, N, C, V],
+    S_N [R, K, V]), all in the inputs' dtype. A Python loop over chunks: the float64 reference of the kernels."""
+    S, Hs, Us = s0, [], []
+    for n in range(u.shape[1]):
+        Hs.append(S)
+        U = u[:, n] - w[:, n] @ S
+        Us.append(U)
+        S = d[:, n, :, None] * S + k[:, n].transpose(-1, -2) @ U
+    return torch.stack(Hs, 1), torch.stack(Us, 1), S
+
+
+if triton is not None:
+    @triton.jit
+    def _delta_states_fwd_kernel(u_ptr, w_ptr, k_ptr, d_ptr, s0_ptr, h_ptr, U_ptr, sN_ptr, N, C, K, V,
+                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        # one program: one row r, one block of BV state columns (the columns never mix), all K rows of the state,
+        # every chunk in order; the state stays in registers between chunks
+        r = tl.program_id(1).to(tl.int64)
+        c = tl.arange(0, BC)
+        kk = tl.arange(0, BK)
+        vv = tl.program_id(0) * BV + tl.arange(0, BV)
+        m_kv = (kk[:, None] < K) & (vv[None, :] < V)
+        m_cv = (c[:, None] < C) & (vv[None, :] < V)
+        m_ck = (c[:, None] < C) & (kk[None, :] < K)
+        kv = kk[:, None] * V + vv[None, :]
+        cv = c[:, None] * V + vv[None, :]
+        ck = c[:, None] * K + kk[None, :]
+        S = tl.load(s0_ptr + r * K * V + kv, mask=m_kv, other=0.0)
+        for n in range(N):
+            rn = r * N + n
+            tl.store(h_ptr + rn * K * V + kv, S, mask=m_kv)
+            w = tl.load(w_ptr + rn * C * K + ck, mask=m_ck, other=0.0)
+            u = tl.load(u_ptr + rn * C * V + cv, mask=m_cv, other=0.0)
+            U = u - tl.dot(w, S, input_precision="ieee")
+            tl.store(U_ptr + rn * C * V + cv, U, mask=m_cv)
+            kt = tl.load(k_ptr + rn * C * K + ck, mask=m_ck, other=0.0)
+            dn = tl.load(d_ptr + rn * K + kk, mask=kk < K, other=0.0)
+            S = dn[:, None] * S + tl.dot(tl.trans(kt), U, input_precision="ieee")
+        tl.store(sN_ptr + r * K * V + kv, S, mask=m_kv)
+
+    @triton.jit
+    def _delta_states_bwd_kernel(w_ptr, k_ptr, d_ptr, dh_ptr, dUx_ptr, dsN_ptr, dU_ptr, L_ptr, ds0_ptr, N, C, K, V,
+                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        # the same tiling, chunks in reverse; L is the gradient of the state entering the next chunk
+        r = tl.program_id(1).to(tl.int64)
+        c = tl.arange(0, BC)
+        kk = tl.arange(0, BK)
+        vv = tl.program_id(0) * BV + tl.arange(0, BV)
+        m_kv = (kk[:, None] < K) & (vv[None, :] < V)
+        m_cv = (c[:, None] < C) & (vv[None, :] < V)
+        m_ck = (c[:, None] < C) & (kk[None, :] < K)
+        kv = kk[:, None] * V + vv[None, :]
+        cv = c[:, None] * V + vv[None, :]
+        ck = c[:, None] * K + kk[None, :]
+        L = tl.load(dsN_ptr + r * K * V + kv, mask=m_kv, other=0.0)
+        for i in range(N):
+            rn = r * N + (N - 1 - i)
+            kt = tl.load(k_ptr + rn * C * K + ck, mask=m_ck, other=0.0)
+            dU = tl.load(dUx_ptr + rn * C * V + cv, mask=m_cv, other=0.0) + tl.dot(kt, L, input_precision="ieee")
+            tl.store(dU_ptr + rn * C * V + cv, dU, mask=m_cv)
+            tl.store(L_ptr + rn * K * V + kv, L, mask=m_kv)
+            w = tl.load(w_ptr + rn * C * K + ck, mask=m_ck, other=0.0)
+            dn = tl.load(d_ptr + rn * K + kk, mask=kk < K, other=0.0)
+            dh = tl.load(dh_ptr + rn * K * V + kv, mask=m_kv, other=0.0)
+            L = dh + dn[:, None] * L - tl.dot(tl.trans(w), dU, input_precision="ieee")
+        tl.store(ds0_ptr + r * K * V + kv, L, mask=m_kv)
+
+
+def _delta_blocks(C: int, K: int, V: int, block_v: int | None) -> tuple[int, int, int]:
+    if K > 256:
+        raise ValueError(f"delta_states: the key dim K={K} must be at most 256 (the state rows stay in registers)")
+    pow2 = triton.next_power_of_2
+    return max(16, pow2(C)), max(16, pow2(K)), block_v or max(16, min(32, pow2(V)))
+
+
+def _check_delta(name: str, tensors: dict[str, Tensor]):
+    bad = {n: t.dtype for n, t in tensors.items() if t.dtype != torch.float32}
+    if bad:
+        raise ValueError(f"{name}: float32 tensors expected (the state pass accumulates in fp32), got {bad}")
+    if not available(next(iter(tensors.values())).device):
+        raise RuntimeError(f"{name} needs Triton and CUDA tensors (or TRITON_INTERPRET=1)")
+
+
+def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *,
+                 block_v: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The Triton kernel of `delta_states_reference` (same contract, float32 only): one launch for all chunks,
+    programs over (state column blocks, rows), each carrying its block of the state through the chunks in
+    registers. fp32 dots in IEEE precision."""
+    _check_delta("delta_states", dict(u=u, w=w, k=k, d=d, s0=s0))
+    R, N, C, V = u.shape
+    K = w.shape[-1]
+    BC, BK, BV = _delta_blocks(C, K, V, block_v)
+    u, w, k, d, s0 = (t.contiguous() for t in (u, w, k, d, s0))
+    hs, U, sN = u.new_empty(R, N, K, V), torch.empty_like(u), s0.new_empty(R, K, V)
+    if R:
+        _delta_states_fwd_kernel[(triton.cdiv(V, BV), R)](u, w, k, d, s0, hs, U, sN, N, C, K, V, BC=BC, BK=BK, BV=BV,
+                                                          num_warps=4)
+    return hs, U, sN
+
+
+def delta_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor, dsN: Tensor, *,
+                     block_v: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The sequential part of `delta_states`' backward, chunks in reverse. dh [R, N, K, V], dU_in [R, N, C, V] and
+    dsN [R, K, V] are the gradients reaching S_n, U_n and S_N from outside. With Λ_N = dsN:
+
+        dU_n = dU_in_n + k_n Λ_{n+1},    Λ_n = dh_n + diag(d_n) Λ_{n+1} − w_nᵀ dU_n
+
+    Returns (dU [R, N, C, V] the total gradient of each U_n, Λ_{n+1} stacked [R, N, K, V], Λ_0 = the gradient of
+    s0). The parallel rest (du = dU, dw = −dU Sᵀ, dk = U Λᵀ, dd = Σ_v S ⊙ Λ) is ordinary batched algebra."""
+    _check_delta("delta_states_bwd", dict(w=w, k=k, d=d, dh=dh, dU_in=dU_in, dsN=dsN))
+    R, N, C, V = dU_in.shape
+    K = w.shape[-1]
+    BC, BK, BV = _delta_blocks(C, K, V, block_v)
+    w, k, d, dh, dU_in, dsN = (t.contiguous() for t in (w, k, d, dh, dU_in, dsN))
+    dU, lam, ds0 = torch.empty_like(dU_in), torch.empty_like(dh), torch.empty_like(dsN)
+    if R:
+        _delta_states_bwd_kernel[(triton.cdiv(V, BV), R)](w, k, d, dh, dU_in, dsN, dU, lam, ds0, N, C, K, V, BC=BC,
+                                                          BK=BK, BV=BV, num_warps=4)
+    return dU, lam, ds0

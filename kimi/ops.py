@@ -15,6 +15,8 @@ Two kinds of registration:
 |-----------------------------|----------------|------------|-------------------------|
 | kda_recurrent, kda_chunk    | kda            | traceable  | yes                     |
 | kda_chunk_opaque (+ _bwd)   | kda            | opaque     | yes (recompute + vjp)   |
+| kda_chunk_triton            | kda            | traceable  | yes                     |
+| kda_states (+ _bwd, Triton) | (inside kda_chunk_triton) | opaque | yes (registered)  |
 | kda_step (decode update)    | -              | traceable  | yes                     |
 | indexer_topk                | -              | traceable  | no (integer output)     |
 | sparse_mla_eager, _sdpa     | attn, mla_form | traceable  | yes                     |
@@ -207,6 +209,52 @@ def _kda_backward(ctx, do, ds):
 kda_chunk_opaque.register_autograd(_kda_backward, setup_context=_kda_setup)
 
 
+# ---------------------------------------------------------------------------------------------- opaque: KDA states
+
+@torch.library.custom_op("kimi::kda_states", mutates_args=())
+def kda_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunk-to-chunk state recurrence of chunked KDA in one Triton launch (`kernels.delta_states`):
+    u [R, N, C, V], w, k [R, N, C, K], d [R, N, K], s0 [R, K, V] fp32 -> (entering states [R, N, K, V],
+    U [R, N, C, V], final state [R, K, V])."""
+    return kernels.delta_states(u, w, k, d, s0)
+
+
+@kda_states.register_fake
+def _(u, w, k, d, s0):
+    R, N, C, V = u.shape
+    return u.new_empty(R, N, w.shape[-1], V), u.new_empty(u.shape), s0.new_empty(s0.shape)
+
+
+@torch.library.custom_op("kimi::kda_states_bwd", mutates_args=())
+def kda_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU: Tensor, dsN: Tensor) -> tuple[Tensor, Tensor,
+                                                                                                   Tensor]:
+    """The reverse recurrence of `kda_states`' backward (`kernels.delta_states_bwd`)."""
+    return kernels.delta_states_bwd(w, k, d, dh, dU, dsN)
+
+
+@kda_states_bwd.register_fake
+def _(w, k, d, dh, dU, dsN):
+    return dU.new_empty(dU.shape), dh.new_empty(dh.shape), dsN.new_empty(dsN.shape)
+
+
+def _kda_states_setup(ctx, inputs, output):
+    u, w, k, d, s0 = inputs
+    hs, U, _ = output
+    ctx.save_for_backward(w, k, d, hs, U)
+
+
+def _kda_states_backward(ctx, dh, dU, dsN):
+    w, k, d, hs, U = ctx.saved_tensors
+    dh = torch.zeros_like(hs) if dh is None else dh
+    dU = torch.zeros_like(U) if dU is None else dU
+    dsN = hs.new_zeros(hs.shape[0], *hs.shape[2:]) if dsN is None else dsN
+    dU, lam, ds0 = kda_states_bwd(w, k, d, dh, dU, dsN)      # lam[:, n]: the gradient of the state leaving chunk n
+    return dU, -(dU @ hs.transpose(-1, -2)), U @ lam.transpose(-1, -2), (hs * lam).sum(-1), ds0
+
+
+kda_states.register_autograd(_kda_states_backward, setup_context=_kda_states_setup)
+
+
 # ---------------------------------------------------------------------------------------------- traceable ops
 
 kda_recurrent = traceable(
@@ -219,6 +267,11 @@ kda_chunk = traceable(
     "Tensor? reset, int chunk_size=64) -> (Tensor, Tensor)",
     lambda q, k, v, g, beta, scale, s0, reset, chunk=64: kda.kda_chunk(q, k, v, g, beta, scale=scale, initial_state=s0,
                                                                     reset=reset, chunk_size=chunk))
+kda_chunk_triton = traceable(
+    "kda_chunk_triton(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
+    "Tensor? reset, int chunk_size=64) -> (Tensor, Tensor)",
+    lambda q, k, v, g, beta, scale, s0, reset, chunk=64: kda.kda_chunk(q, k, v, g, beta, scale=scale, initial_state=s0,
+                                                                    reset=reset, chunk_size=chunk, states=kda_states))
 kda_step = traceable(
     "kda_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor state) -> (Tensor, Tensor)",
     lambda q, k, v, g, beta, scale, state: kda.kda_step(q, k, v, g, beta, scale=scale, state=state))
@@ -270,6 +323,8 @@ def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale:
         return kda_recurrent(q, k, v, g, beta, scale, initial_state, reset)
     if backend.kda == "chunk_opaque":
         return kda_chunk_opaque(q, k, v, g, beta, scale, initial_state, reset)
+    if backend.kda == "chunk_triton":
+        return kda_chunk_triton(q, k, v, g, beta, scale, initial_state, reset)
     return kda_chunk(q, k, v, g, beta, scale, initial_state, reset)
 
 

@@ -26,7 +26,7 @@ CFG = tiny(num_hidden_layers=2, attn_res_block_size=1,
            linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
 BACKENDS = [kimi.Backend(), kimi.Backend(attn="eager", kda="recurrent", moe="dense"),
             kimi.Backend(attn="sdpa", mla_form="absorbed", kda="chunk", moe="dense"),
-            kimi.Backend(kda="chunk_opaque")]
+            kimi.Backend(kda="chunk_opaque"), kimi.Backend(kda="chunk_triton")]
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +65,9 @@ def _assert_as_accurate_as_eager(params, ids, doc, backend, out, grads, out_tol)
     would flake on it while a real bug (errors of order 1) still fails this."""
     p64 = kimi.params.tree_map(lambda _, leaf: torch.nn.Parameter(leaf.detach().double(),
                                                                 requires_grad=leaf.requires_grad), params)
-    ref64, grads64 = _loss_and_grads(p64, ids, doc, dataclasses.replace(backend, moe="dense"), kimi.forward)
+    kda64 = "chunk" if backend.kda == "chunk_triton" else backend.kda          # the Triton state pass is fp32 only
+    ref64, grads64 = _loss_and_grads(p64, ids, doc, dataclasses.replace(backend, moe="dense", kda=kda64),
+                                     kimi.forward)
     eager, eager_grads = _loss_and_grads(params, ids, doc, backend, kimi.forward)
     assert rel_err(out, ref64) <= 10 * rel_err(eager, ref64) + out_tol
     for g, e, r in zip(grads, eager_grads, grads64):
@@ -79,6 +81,7 @@ def _assert_as_accurate_as_eager(params, ids, doc, backend, out, grads, out_tol)
 def _op_samples():
     B, T, H, K, V = 2, 6, 2, 8, 8
     r = lambda *s, dt=torch.float64: torch.randn(*s, dtype=dt)
+    f32 = torch.float32
     q, k = (torch.nn.functional.normalize(r(B, T, H, K), dim=-1) for _ in range(2))
     g = -torch.rand(B, T, H, K, dtype=torch.float64) * 2
     beta, v, s0 = torch.rand(B, T, H, dtype=torch.float64), r(B, T, H, V), r(B, H, K, V)
@@ -102,6 +105,15 @@ def _op_samples():
         "kda_chunk": (ops.kda_chunk, (q, k, v, g, beta, 0.3, s0, reset, 4)),
         "kda_chunk_opaque": (ops.kda_chunk_opaque, (q, k, v, g, beta, 0.3, s0, reset, 4)),
         "kda_chunk_opaque_bwd": (ops.kda_chunk_opaque_bwd, (q, k, v, g, beta, 0.3, None, reset, 4, v.clone(), s0.clone())),
+        "kda_chunk_triton": (ops.kda_chunk_triton, tuple(t.float() if isinstance(t, torch.Tensor) and
+                                                          t.is_floating_point() else t
+                                                          for t in (q, k, v, g, beta, 0.3, s0, reset, 4))),
+        "kda_states": (torch.ops.kimi.kda_states.default, (r(4, 3, 16, 8, dt=f32), r(4, 3, 16, 8, dt=f32) * 0.3,
+                                                           r(4, 3, 16, 8, dt=f32) * 0.3, torch.rand(4, 3, 8),
+                                                           r(4, 8, 8, dt=f32))),
+        "kda_states_bwd": (torch.ops.kimi.kda_states_bwd.default,
+                           (r(4, 3, 16, 8, dt=f32), r(4, 3, 16, 8, dt=f32), torch.rand(4, 3, 8),
+                            r(4, 3, 8, 8, dt=f32), r(4, 3, 16, 8, dt=f32), r(4, 8, 8, dt=f32))),
         "kda_step": (ops.kda_step, (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], 0.3, s0)),
         "indexer_topk": (ops.indexer_topk_op, (r(B, 3, 2, 8), r(B, T, 8), r(B, 3, 2), vis, 4)),
         "sparse_mla_eager": (ops.sparse_mla_eager, (qm, c, kpe, kvb, visible_keys(seg), idx, cfg.softmax_scale, True)),
@@ -125,7 +137,7 @@ def test_every_registered_op_is_covered():
 def test_opcheck(name):
     op, args = _op_samples()[name]
     args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() and name not in
-                 ("indexer_topk", "kda_chunk_opaque_bwd") else a for a in args)
+                 ("indexer_topk", "kda_chunk_opaque_bwd", "kda_states_bwd") else a for a in args)
     if name == "kda_chunk_opaque_bwd":
         # It differentiates through torch.func.vjp, whose wrapper tensors opcheck's checkers (dispatch modes that
         # read every tensor's storage while the real kernel runs) cannot inspect. What they would check, directly:

@@ -22,7 +22,8 @@ def test_cuda_forward_matches_cpu_float64():
         assert rel_err(out.cpu(), ref) < 1e-3      # TF32 matmuls may be on; fp32 CPU is tested at 1e-4
 
 
-def test_cuda_compiled_forward_backward_equals_eager():
+@pytest.mark.parametrize("kda", ["chunk", "chunk_triton"])
+def test_cuda_compiled_forward_backward_equals_eager(kda):
     """float32 with TF32 off, every expert and every key selected: fused and unfused code round differently, and
     where a routing or top-k choice is near a tie that flips a discrete decision (measured 2.3e-3 on the tiny
     preset at T=256), which would hide real errors. The selection paths are compared exactly on the CPU."""
@@ -32,10 +33,12 @@ def test_cuda_compiled_forward_backward_equals_eager():
     leaves = [p for _, p in kimi.params.tree_items(params) if p.requires_grad]
     ids = torch.randint(0, cfg.vocab_size, (2, 256), device="cuda")
 
+    backend = kimi.Backend(kda=kda)
+
     def run(fn):
         for p in leaves:
             p.grad = None
-        out = fn(params, ids, cfg)
+        out = fn(params, ids, cfg, backend)
         out.float().logsumexp(-1).mean().backward()
         return out.detach(), [p.grad for p in leaves if p.grad is not None]
 

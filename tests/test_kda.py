@@ -195,6 +195,57 @@ def test_opaque_chunk_op_dtypes():
         assert g.dtype == torch.float32 and rel_err(g, r) < 1e-4, n
 
 
+@pytest.mark.skipif(not kimi.kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
+                    reason="needs Triton (interpreted on the CPU)")
+@pytest.mark.parametrize("h0", [True, False])
+@pytest.mark.parametrize("regime", ["logsigmoid", "m1000"])
+def test_triton_chunk_equals_recurrence_with_gradients(h0, regime):
+    """Backend(kda="chunk_triton"): the chunk algebra with the state pass in Triton (fp32), against the float64
+    recurrence, output, final state and every gradient, with resets inside chunks and a padded last chunk. It must
+    be as accurate as the traced fp32 chunk path on the same inputs (both round in fp32): within 2x + 1e-6."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    B, T, H, K, V = 2, 90, 2, 16, 24
+    x = _inputs(B, T, H, K, V, regime)
+    if not h0:
+        x["initial_state"] = None
+    x = {n: t for n, t in x.items() if t is not None}
+    reset = _resets(B, T, [[5, 40], [64]])
+    do, dS = torch.randn(B, T, H, V, dtype=F64), torch.randn(B, H, K, V, dtype=F64)
+    ref = _grads("recurrent", _leaves(x), do, dS, reset=reset)
+    o_ref, S_ref = _run("recurrent", x, reset=reset)
+
+    def fp32(op):
+        leaves = _leaves({n: t.float().to(dev) for n, t in x.items()})
+        o, S = op(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], 0.25,
+                  leaves.get("initial_state"), reset.to(dev), 32)
+        grads = torch.autograd.grad((o * do.float().to(dev)).sum() + (S * dS.float().to(dev)).sum(),
+                                    list(leaves.values()))
+        return o.double().cpu(), S.double().cpu(), {n: g.double().cpu() for n, g in zip(leaves, grads)}
+
+    o, S, got = fp32(ops.kda_chunk_triton)
+    o_c, S_c, chunk = fp32(ops.kda_chunk)
+    assert rel_err(o, o_ref) <= 2 * rel_err(o_c, o_ref) + 1e-6 and rel_err(o, o_ref) < 1e-4
+    assert rel_err(S, S_ref) <= 2 * rel_err(S_c, S_ref) + 1e-6 and rel_err(S, S_ref) < 1e-4
+    for n in x:
+        assert rel_err(got[n], ref[n]) <= 2 * rel_err(chunk[n], ref[n]) + 1e-6, n
+
+
+@pytest.mark.skipif(not kimi.kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
+                    reason="needs Triton (interpreted on the CPU)")
+def test_triton_chunk_dtypes():
+    """bf16 q/k/v in: bf16 o and fp32 state out. float64 in: a named error (the state pass is fp32 only; the
+    float64 path is Backend(kda='chunk'))."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = _inputs(1, 70, 2, 16, 8)
+    xb = {n: t.to(dev, torch.bfloat16) for n, t in x.items()}
+    xb["g"], xb["beta"], xb["initial_state"] = (x[n].float().to(dev) for n in ("g", "beta", "initial_state"))
+    o_ref, _ = _run("recurrent", {n: t.double().cpu() for n, t in xb.items()})
+    o, S = ops.kda_chunk_triton(xb["q"], xb["k"], xb["v"], xb["g"], xb["beta"], 0.25, xb["initial_state"], None)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32 and rel_err(o.cpu(), o_ref) < 1e-2
+    with pytest.raises(ValueError, match="float32 tensors expected"):
+        ops.kda_chunk_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.25, x["initial_state"], None)
+
+
 def test_bf16_inputs_give_bf16_output_and_fp32_state():
     """KDA.md §18.11: o in the input dtype, the state fp32."""
     x = _inputs(1, 40, 2, 16, 8)

@@ -76,3 +76,54 @@ def test_moe_gemv_frozen_weights_get_no_gradient():
     x64 = x.detach().double().requires_grad_()
     (rx,) = torch.autograd.grad(kernels.moe_gemv_reference(x64, w.double(), offs).square().sum(), (x64,))
     assert not calls and rel_err(gx.double(), rx) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- delta_states
+
+def _delta_inputs(R, N, C, K, V):
+    r = lambda *s: torch.randn(*s, dtype=torch.float64)
+    return (r(R, N, C, V), r(R, N, C, K) * K ** -0.5, r(R, N, C, K) * K ** -0.5,
+            torch.rand(R, N, K, dtype=torch.float64), r(R, K, V))
+
+
+@pytest.mark.parametrize("R, N, C, K, V", [(3, 4, 16, 32, 48), (2, 3, 24, 20, 16), (1, 5, 64, 128, 128)])
+def test_delta_states_matches_reference(R, N, C, K, V):
+    """The Triton state pass (fp32) against the float64 loop: every entering state, every U and the final state.
+    C, K, V not powers of two (masked blocks) and the release's 64 / 128 / 128."""
+    x = _delta_inputs(R, N, C, K, V)
+    ref = kernels.delta_states_reference(*x)
+    got = kernels.delta_states(*(t.float().to(DEVICE) for t in x))
+    for g, r in zip(got, ref):
+        assert g.dtype == torch.float32 and g.shape == r.shape
+        assert rel_err(g.double().cpu(), r) < 1e-5
+
+
+@pytest.mark.parametrize("used", ["all", "final state only"])
+def test_kda_states_op_gradients(used):
+    """The op's backward (the reverse Triton pass, then batched algebra) against float64 autograd of the loop, for
+    gradients reaching every output or only the final state (autograd passes None for the others)."""
+    x = _delta_inputs(2, 4, 16, 24, 40)
+    probes = [torch.randn(t.shape, dtype=torch.float64)
+              for t in kernels.delta_states_reference(*x)]
+    if used != "all":
+        probes[0] = probes[1] = None
+
+    def grads(fn, xs):
+        xs = [t.clone().requires_grad_() for t in xs]
+        outs = fn(*xs)
+        loss = sum((o * p.to(o)).sum() for o, p in zip(outs, probes) if p is not None)
+        return torch.autograd.grad(loss, xs)
+
+    ref = grads(kernels.delta_states_reference, x)
+    got = grads(torch.ops.kimi.kda_states, [t.float().to(DEVICE) for t in x])
+    for name, g, r in zip("u w k d s0".split(), got, ref):
+        assert rel_err(g.double().cpu(), r) < 1e-5, name
+
+
+def test_delta_states_rejects_what_it_cannot_run():
+    x = _delta_inputs(1, 2, 16, 16, 16)
+    with pytest.raises(ValueError, match="float32 tensors expected"):
+        kernels.delta_states(*(t.to(DEVICE) for t in x))                      # float64
+    u, w, k, d, s0 = (t.float().to(DEVICE) for t in _delta_inputs(1, 1, 16, 300, 16))
+    with pytest.raises(ValueError, match="K=300 must be at most 256"):
+        kernels.delta_states(u, w, k, d, s0)

@@ -85,8 +85,9 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--regional", action="store_true",
                     help="kimi.compile_layers (one graph per distinct layer) instead of one whole-model graph")
-    ap.add_argument("--kda", nargs="+", default=["chunk"], choices=["chunk", "chunk_opaque"],
-                    help="KDA backends to compare (chunk: traced by Inductor; chunk_opaque: one opaque op)")
+    ap.add_argument("--kda", nargs="+", default=["chunk"], choices=["chunk", "chunk_opaque", "chunk_triton"],
+                    help="KDA backends to compare (chunk: traced by Inductor; chunk_opaque: one opaque op; "
+                         "chunk_triton: chunk with the state pass in Triton)")
     ap.add_argument("--passes", nargs="+", default=["forward", "forward+backward"],
                     choices=["forward", "forward+backward"])
     a = ap.parse_args()

@@ -5,6 +5,7 @@
 #   bash tests/bench/gpu_all.sh compile                    # medium forward+backward, regional, opaque KDA core
 #   bash tests/bench/gpu_all.sh compile-chunk              # the same with the KDA core traced by Inductor
 #   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths
+#   bash tests/bench/gpu_all.sh train-triton               # the same with the KDA state pass in Triton, profiled
 # Each part prints "<part> rc=<exit code> <seconds> s" at the end of its file; rc 124 means it hit its limit.
 set -u
 cd "$(dirname "$0")/../.."
@@ -20,8 +21,8 @@ run() {  # run <part> <seconds> <command...>
 }
 for part in "$@"; do
   case $part in
-    tests) run tests 200 python -m pytest -q -x tests/test_kernels.py tests/test_gpu.py \
-             tests/test_decode.py::test_decode_step_cuda_graphs ;;
+    tests) run tests 300 python -m pytest -q -x tests/test_kernels.py tests/test_gpu.py \
+             tests/test_decode.py::test_decode_step_cuda_graphs "tests/test_kda.py" -k "not test_kda.py or triton" ;;
     decode) run decode 120 python -W ignore tests/bench/decode.py ;;
     profile) run profile 220 python -W ignore tests/bench/decode.py --profile ;;
     generate)
@@ -33,7 +34,11 @@ for part in "$@"; do
                --regional --passes forward+backward --kda chunk_opaque ;;
     compile-chunk) run compile-chunk 560 python -W ignore tests/bench/compile.py --presets medium --devices cuda \
                      --batch 2 --regional --passes forward+backward --kda chunk ;;
-    train) run train 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, train)"; exit 2 ;;
+    train) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+             run train 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk ;;
+    train-triton) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+                    run train-triton 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk_triton \
+                    --profile ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, train, train-triton)"; exit 2 ;;
   esac
 done

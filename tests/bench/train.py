@@ -83,6 +83,8 @@ def bench(a) -> dict:
         sync()
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
+    if a.profile and device.type == "cuda":
+        profile_step(step, sync)
     tps = B * T / step_s
     flops = train.model_flops_per_token(cfg, T)
     peak = train.peak_flops(device)
@@ -93,6 +95,24 @@ def bench(a) -> dict:
                 compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
                 flops_per_token=flops, mfu=tps * flops / peak if peak else math.nan,
                 peak_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan)
+
+
+def profile_step(step, sync, top: int = 40):
+    """Per-kernel GPU time of one training step, kernels grouped by name, the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per.setdefault(e.name, []).append(e.device_time)
+    total = sum(sum(v) for v in per.values())
+    print(f"\nprofile: {sum(map(len, per.values()))} kernels, {total / 1e3:.1f} ms of kernel time in one step")
+    print("| kernel | calls | ms | share |")
+    print("|---|---|---|---|")
+    for name, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"| {name[:100]} | {len(v)} | {sum(v) / 1e3:.2f} | {sum(v) / total:.1%} |")
 
 
 def _n(x: float) -> str:
@@ -108,8 +128,9 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
-    ap.add_argument("--kda", default="chunk_opaque", choices=["chunk", "chunk_opaque"],
-                    help="chunk_opaque: the KDA chunk core as one opaque op (fast compile); chunk: traced by Inductor")
+    ap.add_argument("--kda", default="chunk", choices=["chunk", "chunk_opaque", "chunk_triton"],
+                    help="chunk: traced by Inductor (train.py's choice on a GPU); chunk_opaque: the KDA chunk core as "
+                         "one opaque op (fast compile); chunk_triton: chunk with the state pass in Triton")
     ap.add_argument("--mla-form", default="expanded", choices=["expanded", "absorbed"])
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="default: on for CUDA, off for CPU")
@@ -117,6 +138,7 @@ def main():
                     help="layers: kimi.compile_layers (one graph per distinct layer); model: one fullgraph")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="then print the per-kernel GPU time of one step (CUDA)")
     a = ap.parse_args()
     if a.preset in ("k3", "k3_1_pro"):
         a.layers = a.layers or 4
