@@ -138,20 +138,25 @@ def delta_states_reference(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tenso
 
 if triton is not None:
     @triton.jit
-    def _delta_states_fwd_kernel(u_ptr, w_ptr, k_ptr, d_ptr, s0_ptr, h_ptr, U_ptr, sN_ptr, N, C, K, V,
-                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-        # one program: one row r, one block of BV state columns (the columns never mix), all K rows of the state,
-        # every chunk in order; the state stays in registers between chunks
-        r = tl.program_id(1).to(tl.int64)
+    def _delta_tiles(C, K, V, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        """Offsets and masks of the [K, V] state block, the [C, V] value tile and the [C, K] key tile of this
+        program's column block (program_id 0), within one row's chunk."""
         c = tl.arange(0, BC)
         kk = tl.arange(0, BK)
         vv = tl.program_id(0) * BV + tl.arange(0, BV)
         m_kv = (kk[:, None] < K) & (vv[None, :] < V)
         m_cv = (c[:, None] < C) & (vv[None, :] < V)
         m_ck = (c[:, None] < C) & (kk[None, :] < K)
-        kv = kk[:, None] * V + vv[None, :]
-        cv = c[:, None] * V + vv[None, :]
-        ck = c[:, None] * K + kk[None, :]
+        return kk, kk[:, None] * V + vv[None, :], c[:, None] * V + vv[None, :], c[:, None] * K + kk[None, :], \
+            m_kv, m_cv, m_ck
+
+    @triton.jit
+    def _delta_states_fwd_kernel(u_ptr, w_ptr, k_ptr, d_ptr, s0_ptr, h_ptr, U_ptr, sN_ptr, N, C, K, V,
+                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        # one program: one row r, one block of BV state columns (the columns never mix), all K rows of the state,
+        # every chunk in order; the state stays in registers between chunks
+        r = tl.program_id(1).to(tl.int64)
+        kk, kv, cv, ck, m_kv, m_cv, m_ck = _delta_tiles(C, K, V, BC, BK, BV)
         S = tl.load(s0_ptr + r * K * V + kv, mask=m_kv, other=0.0)
         for n in range(N):
             rn = r * N + n
@@ -170,15 +175,7 @@ if triton is not None:
                                  BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
         # the same tiling, chunks in reverse; L is the gradient of the state entering the next chunk
         r = tl.program_id(1).to(tl.int64)
-        c = tl.arange(0, BC)
-        kk = tl.arange(0, BK)
-        vv = tl.program_id(0) * BV + tl.arange(0, BV)
-        m_kv = (kk[:, None] < K) & (vv[None, :] < V)
-        m_cv = (c[:, None] < C) & (vv[None, :] < V)
-        m_ck = (c[:, None] < C) & (kk[None, :] < K)
-        kv = kk[:, None] * V + vv[None, :]
-        cv = c[:, None] * V + vv[None, :]
-        ck = c[:, None] * K + kk[None, :]
+        kk, kv, cv, ck, m_kv, m_cv, m_ck = _delta_tiles(C, K, V, BC, BK, BV)
         L = tl.load(dsN_ptr + r * K * V + kv, mask=m_kv, other=0.0)
         for i in range(N):
             rn = r * N + (N - 1 - i)
