@@ -102,11 +102,12 @@ class CudaGraphStep:
     and reads and writes the cache's buffers at the addresses they had at capture, so both must keep their tensors
     (`kimi.reset_cache` a cache, do not swap its buffers). Another cache or parameter tree (a different dict) or
     another batch shape captures again; the captured ones are held until then, so their memory cannot be reused
-    under the graph. Each call checks the free cache slots on the host (the graph itself cannot raise) against a host
-    copy of `pos`: it is read from the device (a sync) only when its tensor was written outside the graph, which
-    autograd's version counter tells (prefill, `kimi.reset_cache`, `fill_`); a replay advances the copy. (A write
-    the counter cannot see, e.g. another captured graph on the same cache, goes unnoticed; an overflow then stops at
-    the device's index check.) The warm-up calls that compile and autotune run on a scratch cache that shares the MLA buffers
+    under the graph. Each call checks the free cache slots on the host (the graph itself cannot raise) against a
+    host copy of `pos`: it is read from the device (a sync) only when its tensor was written outside the graph,
+    which autograd's version counter tells (prefill, `kimi.reset_cache`, `fill_`); a replay advances the copy. An
+    inference-mode `pos` has no counter and is read every call. (Writes the counter cannot see: `.data`, numpy or
+    DLPack writes, another captured graph on the same cache; an overflow then stops at the device's index check.)
+    The warm-up calls that compile and autotune run on a scratch cache that shares the MLA buffers
     (the step rewrites the slot they touch) and copies the rest, so the real cache advances exactly once per call.
     Off CUDA, `fn` is simply called."""
 
@@ -129,16 +130,21 @@ class CudaGraphStep:
         if params is not self.params or cache is not self.cache or self.ids is None or \
                 self.ids.shape != ids.shape or self.ids.dtype != ids.dtype:
             self._capture(params, ids, cache)
-            self.pos = (cache["pos"], cache["pos"]._version, pos)    # capturing bumped the counter, not the value
+            self._track(cache["pos"], pos)            # capturing bumped the counter, not the value
         self.ids.copy_(ids)
         self.graph.replay()
-        self.pos = (cache["pos"], cache["pos"]._version, pos + ids.shape[1])
+        self._track(cache["pos"], pos + ids.shape[1])
         return self.out
 
     def _host_pos(self, t: Tensor) -> int:
+        if t.is_inference():
+            return int(t)
         if self.pos is None or self.pos[0] is not t or self.pos[1] != t._version:
             self.pos = (t, t._version, int(t))
         return self.pos[2]
+
+    def _track(self, t: Tensor, value: int):
+        self.pos = None if t.is_inference() else (t, t._version, value)
 
     def _capture(self, params: dict, ids: Tensor, cache: dict):
         self.graph = self.out = self.ids = self.params = self.cache = self.pos = None   # release the previous one

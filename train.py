@@ -397,7 +397,7 @@ def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: 
 def compiled_loss(scope: str):
     """`loss_sum` compiled: per distinct layer (`scope="layers"`, the rest eager) or as one fullgraph ("model")."""
     if scope == "model":
-        return torch.compile(loss_sum, fullgraph=True)
+        return torch.compile(loss_sum, **kimi.compile_options(fullgraph=True))
     return functools.partial(loss_sum, forward=kimi.compile_layers(fullgraph=True))
 
 
@@ -495,7 +495,7 @@ def build_fsdp(params, adapters, ctx: dict, compile_units: bool) -> _Root:
         unit = _Layer({p: v for p, v in flat.items() if p.startswith(pre)},
                       {p: v for p, v in adapters.items() if p.startswith(pre)}, pre, ctx)
         if compile_units:
-            unit.compile(fullgraph=True)
+            unit.compile(**kimi.compile_options(fullgraph=True))
         fully_shard(unit)
         layers.append(unit)
     root = _Root({p: v for p, v in flat.items() if not p.startswith("model.layers.")},

@@ -32,7 +32,7 @@ autograd); fine for tests and moderate sizes, not for K3-size training (the FLA 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

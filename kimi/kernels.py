@@ -140,10 +140,10 @@ if triton is not None:
     @triton.jit
     def _delta_tiles(C, K, V, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
         """Offsets and masks of the [K, V] state block, the [C, V] value tile and the [C, K] key tile of this
-        program's column block (program_id 0), within one row's chunk."""
+        program's column block (program_id 1; rows are axis 0, which allows 2^31 of them), within one chunk."""
         c = tl.arange(0, BC)
         kk = tl.arange(0, BK)
-        vv = tl.program_id(0) * BV + tl.arange(0, BV)
+        vv = tl.program_id(1) * BV + tl.arange(0, BV)
         m_kv = (kk[:, None] < K) & (vv[None, :] < V)
         m_cv = (c[:, None] < C) & (vv[None, :] < V)
         m_ck = (c[:, None] < C) & (kk[None, :] < K)
@@ -155,7 +155,7 @@ if triton is not None:
                                  BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
         # one program: one row r, one block of BV state columns (the columns never mix), all K rows of the state,
         # every chunk in order; the state stays in registers between chunks
-        r = tl.program_id(1).to(tl.int64)
+        r = tl.program_id(0).to(tl.int64)
         kk, kv, cv, ck, m_kv, m_cv, m_ck = _delta_tiles(C, K, V, BC, BK, BV)
         S = tl.load(s0_ptr + r * K * V + kv, mask=m_kv, other=0.0)
         for n in range(N):
@@ -174,7 +174,7 @@ if triton is not None:
     def _delta_states_bwd_kernel(w_ptr, k_ptr, d_ptr, dh_ptr, dUx_ptr, dsN_ptr, dU_ptr, L_ptr, ds0_ptr, N, C, K, V,
                                  BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
         # the same tiling, chunks in reverse; L is the gradient of the state entering the next chunk
-        r = tl.program_id(1).to(tl.int64)
+        r = tl.program_id(0).to(tl.int64)
         kk, kv, cv, ck, m_kv, m_cv, m_ck = _delta_tiles(C, K, V, BC, BK, BV)
         L = tl.load(dsN_ptr + r * K * V + kv, mask=m_kv, other=0.0)
         for i in range(N):
@@ -193,6 +193,8 @@ if triton is not None:
 def _delta_blocks(C: int, K: int, V: int, block_v: int | None) -> tuple[int, int, int]:
     if K > 256:
         raise ValueError(f"delta_states: the key dim K={K} must be at most 256 (the state rows stay in registers)")
+    if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
+        raise ValueError(f"delta_states: block_v={block_v} must be a power of two >= 16 (a tl.dot operand dim)")
     pow2 = triton.next_power_of_2
     return max(16, pow2(C)), max(16, pow2(K)), block_v or max(16, min(32, pow2(V)))
 
@@ -201,8 +203,10 @@ def _check_delta(name: str, tensors: dict[str, Tensor]):
     bad = {n: t.dtype for n, t in tensors.items() if t.dtype != torch.float32}
     if bad:
         raise ValueError(f"{name}: float32 tensors expected (the state pass accumulates in fp32), got {bad}")
-    if not available(next(iter(tensors.values())).device):
-        raise RuntimeError(f"{name} needs Triton and CUDA tensors (or TRITON_INTERPRET=1)")
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1 or not available(devices.pop()):
+        raise RuntimeError(f"{name} needs Triton and its tensors on one CUDA device (or TRITON_INTERPRET=1), got "
+                           f"{ {n: str(t.device) for n, t in tensors.items()} }")
 
 
 def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *,
@@ -217,15 +221,16 @@ def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *,
     u, w, k, d, s0 = (t.contiguous() for t in (u, w, k, d, s0))
     hs, U, sN = u.new_empty(R, N, K, V), torch.empty_like(u), s0.new_empty(R, K, V)
     if R:
-        _delta_states_fwd_kernel[(triton.cdiv(V, BV), R)](u, w, k, d, s0, hs, U, sN, N, C, K, V, BC=BC, BK=BK, BV=BV,
+        _delta_states_fwd_kernel[(R, triton.cdiv(V, BV))](u, w, k, d, s0, hs, U, sN, N, C, K, V, BC=BC, BK=BK, BV=BV,
                                                           num_warps=4)
     return hs, U, sN
 
 
 def delta_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor, dsN: Tensor, *,
                      block_v: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The sequential part of `delta_states`' backward, chunks in reverse. dh [R, N, K, V], dU_in [R, N, C, V] and
-    dsN [R, K, V] are the gradients reaching S_n, U_n and S_N from outside. With Λ_N = dsN:
+    """The sequential part of `delta_states`' backward, chunks in reverse (first order: no double backward).
+    dh [R, N, K, V], dU_in [R, N, C, V] and dsN [R, K, V] are the gradients reaching S_n, U_n and S_N from outside.
+    With Λ_N = dsN:
 
         dU_n = dU_in_n + k_n Λ_{n+1},    Λ_n = dh_n + diag(d_n) Λ_{n+1} − w_nᵀ dU_n
 
@@ -238,6 +243,6 @@ def delta_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor,
     w, k, d, dh, dU_in, dsN = (t.contiguous() for t in (w, k, d, dh, dU_in, dsN))
     dU, lam, ds0 = torch.empty_like(dU_in), torch.empty_like(dh), torch.empty_like(dsN)
     if R:
-        _delta_states_bwd_kernel[(triton.cdiv(V, BV), R)](w, k, d, dh, dU_in, dsN, dU, lam, ds0, N, C, K, V, BC=BC,
+        _delta_states_bwd_kernel[(R, triton.cdiv(V, BV))](w, k, d, dh, dU_in, dsN, dU, lam, ds0, N, C, K, V, BC=BC,
                                                           BK=BK, BV=BV, num_warps=4)
     return dU, lam, ds0

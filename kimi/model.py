@@ -142,7 +142,7 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
                                                            1024)
-    compiled = torch.compile(layer_step, **_inductor_workarounds(compile_kwargs))
+    compiled = torch.compile(layer_step, **compile_options(**compile_kwargs))
 
     def layer(p, h, R, *args, **kwargs):
         if R.shape[0] >= 2:
@@ -159,12 +159,15 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
     return regional_forward
 
 
-def _inductor_workarounds(compile_kwargs: dict) -> dict:
-    """Inductor options that compile_layers needs on older torch. Before 2.13, Inductor's mix-order reduction (the
-    fused row+column sums of an RMSNorm backward) writes its final `workspace[a * n * m : ...]` slice without
-    parentheses around a symbolic split count, so with the stacked-R count marked dynamic the backward fails at run
-    time ("shape '[768, 2048]' is invalid for input of size 256", torch 2.11 on the H200). It is switched off there;
-    `mode=` is folded into the same options (torch.compile takes one or the other)."""
+def compile_options(**compile_kwargs) -> dict:
+    """`torch.compile` keyword arguments with the Inductor workarounds this model needs on the installed torch
+    (`compile_layers` applies them; pass `torch.compile(fn, **kimi.compile_options(fullgraph=True))` elsewhere).
+
+    Before torch 2.13, Inductor's mix-order reduction (the fused row+column sums of an RMSNorm backward) writes its
+    final `workspace[a * n * m : ...]` slice without parentheses around a symbolic split count, so with a dynamic
+    row count (compile_layers' stacked-R count, or any dimension Dynamo makes dynamic) the backward fails at run
+    time ("shape '[768, 2048]' is invalid for input of size 256", torch 2.11 on the H200). It is switched off
+    there; `mode=` is folded into the same options (torch.compile takes one or the other)."""
     if (compile_kwargs.get("backend", "inductor") != "inductor" or _torch_version() >= (2, 13)
             or not hasattr(torch._inductor.config.triton, "mix_order_reduction")):
         return compile_kwargs

@@ -11,19 +11,19 @@ Two kinds of registration:
   strides, and a registered backward. Outputs are made contiguous and fakes use `new_empty`, so real and fake
   strides agree (COMPILE.md B.3). `grouped_mm` is the first; later Triton/cuDNN kernels follow the same form.
 
-| op (torch.ops.kimi.*)       | Backend field  | kind       | differentiable          |
-|-----------------------------|----------------|------------|-------------------------|
-| kda_recurrent, kda_chunk    | kda            | traceable  | yes                     |
-| kda_chunk_opaque (+ _bwd)   | kda            | opaque     | yes (recompute + vjp)   |
-| kda_chunk_triton            | kda            | traceable  | yes                     |
-| kda_states (+ _bwd, Triton) | (inside kda_chunk_triton) | opaque | yes (registered)  |
-| kda_step (decode update)    | -              | traceable  | yes                     |
-| indexer_topk                | -              | traceable  | no (integer output)     |
-| sparse_mla_eager, _sdpa     | attn, mla_form | traceable  | yes                     |
-| moe_experts_dense, _grouped | moe            | traceable  | yes                     |
-| moe_experts_gemv            | moe (few tokens on GPU) | traceable | yes                |
-| grouped_mm (+ _wgrad)       | (inside _grouped) | opaque  | yes (registered)        |
-| moe_gemv (Triton)           | (inside _gemv) | opaque     | yes (via grouped_mm)    |
+| op (torch.ops.kimi.*)       | Backend field             | kind      | differentiable        |
+|-----------------------------|---------------------------|-----------|-----------------------|
+| kda_recurrent, kda_chunk    | kda                       | traceable | yes                   |
+| kda_chunk_opaque (+ _bwd)   | kda                       | opaque    | yes (recompute + vjp) |
+| kda_chunk_triton            | kda                       | traceable | yes                   |
+| kda_states (+ _bwd, Triton) | (inside kda_chunk_triton) | opaque    | yes (registered)      |
+| kda_step (decode update)    | -                         | traceable | yes                   |
+| indexer_topk                | -                         | traceable | no (integer output)   |
+| sparse_mla_eager, _sdpa     | attn, mla_form            | traceable | yes                   |
+| moe_experts_dense, _grouped | moe                       | traceable | yes                   |
+| moe_experts_gemv            | moe (few tokens on GPU)   | traceable | yes                   |
+| grouped_mm (+ _wgrad)       | (inside _grouped)         | opaque    | yes (registered)      |
+| moe_gemv (Triton)           | (inside _gemv)            | opaque    | yes (via grouped_mm)  |
 
 The model calls the functions at the bottom (`kda_core`, `indexer_topk`, `sparse_mla`, `moe_experts`); each
 picks its op from the frozen `Backend` in plain Python, which torch.compile resolves at trace time. Nothing

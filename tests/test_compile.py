@@ -296,17 +296,18 @@ def test_compile_layers_reuses_graphs_across_layers(depth, block, graphs):
     assert _graphs_of(layer_step) == len(signatures) == graphs
 
 
-def test_compile_layers_inductor_workaround(monkeypatch):
+def test_compile_options_inductor_workaround(monkeypatch):
     """Before torch 2.13 Inductor's mix-order reduction miscompiles an RMSNorm backward whose row count is
-    symbolic (the stacked-R count compile_layers marks dynamic): compile_layers switches it off there, folding a
-    `mode` into the options (torch.compile takes one or the other); other backends and newer torch are untouched."""
+    symbolic (the stacked-R count compile_layers marks dynamic): kimi.compile_options (used by compile_layers and
+    train.py) switches it off there, folding a `mode` into the options (torch.compile takes one or the other);
+    other backends and newer torch are untouched."""
     import kimi.model as model
     monkeypatch.setattr(model, "_torch_version", lambda: (2, 11))
-    got = model._inductor_workarounds({"fullgraph": True, "mode": "max-autotune-no-cudagraphs"})
+    got = kimi.compile_options(fullgraph=True, mode="max-autotune-no-cudagraphs")
     assert got == {"fullgraph": True, "options": {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"),
                                                   "triton.mix_order_reduction": False}}
-    assert model._inductor_workarounds({"options": {"triton.mix_order_reduction": True}}) == \
+    assert kimi.compile_options(options={"triton.mix_order_reduction": True}) == \
         {"options": {"triton.mix_order_reduction": True}}           # an explicit choice wins
-    assert model._inductor_workarounds({"backend": "eager"}) == {"backend": "eager"}
+    assert kimi.compile_options(backend="eager") == {"backend": "eager"}
     monkeypatch.setattr(model, "_torch_version", lambda: (2, 13))
-    assert model._inductor_workarounds({"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}
+    assert kimi.compile_options(mode="reduce-overhead") == {"mode": "reduce-overhead"}

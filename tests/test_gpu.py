@@ -84,6 +84,15 @@ def test_generate_decode_cuda_graph_equals_eager(inductor):
     cache["pos"].fill_(15)
     decode(params, tok, cache)
     assert int(cache["pos"]) == decode.pos[2] == 16
+    if not inductor:   # an inference-mode cache has no version counter: pos is read every call
+        with torch.inference_mode():
+            icache = kimi.init_cache(cfg, 2, 8, device="cuda", start=torch.tensor([0, 3]))
+            prefill(params, torch.randint(0, 256, (2, 6), device="cuda"), icache)
+            for _ in range(2):
+                decode(params, tok, icache)
+            assert int(icache["pos"]) == 8 and decode.pos is None
+            with pytest.raises(kimi.CacheError, match="cache overflow"):
+                decode(params, tok, icache)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (9, 4)]
     greedy = gen.Sampling(temperature=0)
     want = gen.generate(params, cfg, prompts, max_new_tokens=5, sampling=greedy, backend=backend)

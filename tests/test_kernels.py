@@ -127,3 +127,14 @@ def test_delta_states_rejects_what_it_cannot_run():
     u, w, k, d, s0 = (t.float().to(DEVICE) for t in _delta_inputs(1, 1, 16, 300, 16))
     with pytest.raises(ValueError, match="K=300 must be at most 256"):
         kernels.delta_states(u, w, k, d, s0)
+
+
+def test_delta_states_block_v_and_devices_are_checked():
+    u, w, k, d, s0 = (t.float().to(DEVICE) for t in _delta_inputs(1, 2, 16, 16, 40))
+    ref = kernels.delta_states(u, w, k, d, s0, block_v=16)          # three column blocks, the last one masked
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(ref, kernels.delta_states(u, w, k, d, s0)))
+    with pytest.raises(ValueError, match="block_v=24 must be a power of two"):
+        kernels.delta_states(u, w, k, d, s0, block_v=24)
+    if DEVICE == "cuda":
+        with pytest.raises(RuntimeError, match="on one CUDA device"):
+            kernels.delta_states(u, w, k, d, s0.cpu())
