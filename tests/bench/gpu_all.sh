@@ -4,6 +4,7 @@
 #   bash tests/bench/gpu_all.sh profile                    # decode benchmark + per-kernel profile
 #   bash tests/bench/gpu_all.sh compile                    # medium forward+backward, regional, opaque KDA core
 #   bash tests/bench/gpu_all.sh compile-chunk              # the same with the KDA core traced by Inductor
+#   bash tests/bench/gpu_all.sh compile-triton             # the same with the KDA state pass in Triton
 #   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths
 #   bash tests/bench/gpu_all.sh train-triton               # the same with the KDA state pass in Triton, profiled
 # Each part prints "<part> rc=<exit code> <seconds> s" at the end of its file; rc 124 means it hit its limit.
@@ -34,11 +35,13 @@ for part in "$@"; do
                --regional --passes forward+backward --kda chunk_opaque ;;
     compile-chunk) run compile-chunk 560 python -W ignore tests/bench/compile.py --presets medium --devices cuda \
                      --batch 2 --regional --passes forward+backward --kda chunk ;;
+    compile-triton) run compile-triton 560 python -W ignore tests/bench/compile.py --presets medium --devices cuda \
+                      --batch 2 --regional --passes forward+backward --kda chunk_triton ;;
     train) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
              run train 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk ;;
     train-triton) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
                     run train-triton 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk_triton \
                     --profile ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, train, train-triton)"; exit 2 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-triton)"; exit 2 ;;
   esac
 done
