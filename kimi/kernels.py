@@ -190,6 +190,25 @@ if triton is not None:
         tl.store(ds0_ptr + r * K * V + kv, L, mask=m_kv)
 
 
+if triton is not None:
+    # On a GPU the column block and warps are tuned on the first call per (C, K, V) (both kernels only write their
+    # outputs, so the tuning reruns are harmless): more, narrower blocks give more programs, wider ones fewer loads
+    # of the key tiles; which wins depends on the register pressure of the [K, BV] state.
+    _DELTA_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw) for bv in (16, 32, 64) for nw in (4, 8)]
+    _delta_fwd_tuned = triton.autotune(configs=_DELTA_CONFIGS, key=["C", "K", "V"])(_delta_states_fwd_kernel)
+    _delta_bwd_tuned = triton.autotune(configs=_DELTA_CONFIGS, key=["C", "K", "V"])(_delta_states_bwd_kernel)
+
+
+def _launch_delta(kernel, tuned, R: int, C: int, K: int, V: int, block_v: int | None, *args):
+    """Run a delta_states kernel over (rows, column blocks): autotuned on a GPU unless `block_v` is given; fixed
+    blocks (32 columns, 4 warps) under the interpreter."""
+    BC, BK, BV = _delta_blocks(C, K, V, block_v)
+    if block_v is None and not interpreted():
+        tuned[lambda meta: (R, triton.cdiv(V, meta["BV"]))](*args, C, K, V, BC=BC, BK=BK)
+    else:
+        kernel[(R, triton.cdiv(V, BV))](*args, C, K, V, BC=BC, BK=BK, BV=BV, num_warps=4)
+
+
 def _delta_blocks(C: int, K: int, V: int, block_v: int | None) -> tuple[int, int, int]:
     if K > 256:
         raise ValueError(f"delta_states: the key dim K={K} must be at most 256 (the state rows stay in registers)")
@@ -212,17 +231,17 @@ def _check_delta(name: str, tensors: dict[str, Tensor]):
 def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *,
                  block_v: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The Triton kernel of `delta_states_reference` (same contract, float32 only): one launch for all chunks,
-    programs over (state column blocks, rows), each carrying its block of the state through the chunks in
-    registers. fp32 dots in IEEE precision."""
+    programs over (rows, state column blocks), each carrying its block of the state through the chunks in
+    registers. fp32 dots in IEEE precision. `block_v` fixes the column block (else autotuned on a GPU)."""
     _check_delta("delta_states", dict(u=u, w=w, k=k, d=d, s0=s0))
     R, N, C, V = u.shape
     K = w.shape[-1]
-    BC, BK, BV = _delta_blocks(C, K, V, block_v)
+    _delta_blocks(C, K, V, block_v)                        # validate before allocating
     u, w, k, d, s0 = (t.contiguous() for t in (u, w, k, d, s0))
     hs, U, sN = u.new_empty(R, N, K, V), torch.empty_like(u), s0.new_empty(R, K, V)
     if R:
-        _delta_states_fwd_kernel[(R, triton.cdiv(V, BV))](u, w, k, d, s0, hs, U, sN, N, C, K, V, BC=BC, BK=BK, BV=BV,
-                                                          num_warps=4)
+        _launch_delta(_delta_states_fwd_kernel, _delta_fwd_tuned, R, C, K, V, block_v,
+                      u, w, k, d, s0, hs, U, sN, N)
     return hs, U, sN
 
 
@@ -239,10 +258,10 @@ def delta_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor,
     _check_delta("delta_states_bwd", dict(w=w, k=k, d=d, dh=dh, dU_in=dU_in, dsN=dsN))
     R, N, C, V = dU_in.shape
     K = w.shape[-1]
-    BC, BK, BV = _delta_blocks(C, K, V, block_v)
+    _delta_blocks(C, K, V, block_v)
     w, k, d, dh, dU_in, dsN = (t.contiguous() for t in (w, k, d, dh, dU_in, dsN))
     dU, lam, ds0 = torch.empty_like(dU_in), torch.empty_like(dh), torch.empty_like(dsN)
     if R:
-        _delta_states_bwd_kernel[(R, triton.cdiv(V, BV))](w, k, d, dh, dU_in, dsN, dU, lam, ds0, N, C, K, V, BC=BC,
-                                                          BK=BK, BV=BV, num_warps=4)
+        _launch_delta(_delta_states_bwd_kernel, _delta_bwd_tuned, R, C, K, V, block_v,
+                      w, k, d, dh, dU_in, dsN, dU, lam, ds0, N)
     return dU, lam, ds0
