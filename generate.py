@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 import kimi
+from kimi.cache import check_room
 from kimi.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -126,9 +127,7 @@ class CudaGraphStep:
         if ids.device.type != "cuda":
             return self.fn(params, ids, cache)
         pos = self._host_pos(cache["pos"])
-        if pos + ids.shape[1] > cache["max_len"]:
-            raise kimi.CacheError(f"cache overflow: {pos} slots used + {ids.shape[1]} new tokens > "
-                                  f"max_len={cache['max_len']}")
+        check_room(pos, ids.shape[1], cache["max_len"])
         if params is not self.params or cache is not self.cache or self.ids is None or \
                 self.ids.shape != ids.shape or self.ids.dtype != ids.dtype:
             self._capture(params, ids, cache)

@@ -199,7 +199,12 @@ def check_cache(cache, cfg: ModelConfig, input_ids: Tensor, dtype: torch.dtype) 
     if T == 0:
         raise CacheError("input_ids has no tokens (T = 0)")
     if host_checks():   # a host sync: eager only (a compiled or captured step trusts its caller)
-        pos = int(cache["pos"])
-        if pos + T > max_len:
-            raise CacheError(f"cache overflow: {pos} slots used + {T} new tokens > max_len={max_len}; allocate "
-                             "a longer cache or stop generating")
+        check_room(int(cache["pos"]), T, max_len)
+
+
+def check_room(pos: int, T: int, max_len: int):
+    """CacheError unless T new tokens fit after the `pos` used slots of a cache of `max_len` (the host-side check
+    of `check_cache`; a caller that tracks `pos` itself, like generate.py's CUDA-graph step, calls it directly)."""
+    if pos + T > max_len:
+        raise CacheError(f"cache overflow: {pos} slots used + {T} new tokens > max_len={max_len}; allocate "
+                         "a longer cache or stop generating")
