@@ -126,11 +126,6 @@ def _(x, w, offs):
     return x.new_empty(x.shape[0], w.shape[1])
 
 
-def _moe_gemv_setup(ctx, inputs, output):
-    x, w, offs = inputs
-    ctx.save_for_backward(x, w, offs)
-
-
 def _moe_gemv_backward(ctx, dy):   # y = x wᵀ per group: dx = dy w, dw = dyᵀ x (each only when asked for)
     x, w, offs = ctx.saved_tensors
     dy = dy.contiguous()
@@ -139,7 +134,7 @@ def _moe_gemv_backward(ctx, dy):   # y = x wᵀ per group: dx = dy w, dw = dyᵀ
     return dx, dw, None
 
 
-moe_gemv.register_autograd(_moe_gemv_backward, setup_context=_moe_gemv_setup)
+moe_gemv.register_autograd(_moe_gemv_backward, setup_context=_grouped_mm_setup)   # saves x, w, offs too
 
 
 def _gemv_mm(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
