@@ -133,28 +133,20 @@ def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "gr
 def profile(cfg, params, B, context, device, steps: int = 5, top: int = 30):
     """Per-kernel GPU time of one compiled decode step (no CUDA graphs, so each kernel is its own launch; the
     kernels are the ones the graph replays). Prints kernels per step, their summed time, and the top kernels."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from kernel_profile import profile_kernels
     cache, _, step, ids = decode_setup(cfg, params, B, context, context + steps + 16, device)
     fn = torch.compile(step, fullgraph=True)
+
+    def run():
+        for _ in range(steps):
+            fn(params, ids, cache)
+        sync(device)
+
     with torch.no_grad():
         for _ in range(3):
             fn(params, ids, cache)
         sync(device)
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn(params, ids, cache)
-            sync(device)
-    per: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per.setdefault(e.name, []).append(e.device_time)
-    total = sum(sum(v) for v in per.values()) / steps
-    n = sum(len(v) for v in per.values()) / steps
-    print(f"\nprofile B={B}: {n:.0f} kernels per step, {total / 1e3:.3f} ms of kernel time per step")
-    print("| kernel | calls/step | us/step | share |")
-    print("|---|---|---|---|")
-    for name, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        print(f"| {name[:90]} | {len(v) / steps:.0f} | {sum(v) / steps:.1f} | {sum(v) / steps / total:.1%} |")
+        profile_kernels(run, steps, f"profile B={B}", top)
 
 
 def main():

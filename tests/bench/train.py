@@ -84,7 +84,8 @@ def bench(a) -> dict:
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
     if a.profile and device.type == "cuda":
-        profile_step(step, sync)
+        from kernel_profile import profile_kernels
+        profile_kernels(lambda: (step(), sync()), 1, "profile, one training step", top=40)
     tps = B * T / step_s
     flops = train.model_flops_per_token(cfg, T)
     peak = train.peak_flops(device)
@@ -95,24 +96,6 @@ def bench(a) -> dict:
                 compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
                 flops_per_token=flops, mfu=tps * flops / peak if peak else math.nan,
                 peak_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan)
-
-
-def profile_step(step, sync, top: int = 40):
-    """Per-kernel GPU time of one training step, kernels grouped by name, the largest first."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        sync()
-    per: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per.setdefault(e.name, []).append(e.device_time)
-    total = sum(sum(v) for v in per.values())
-    print(f"\nprofile: {sum(map(len, per.values()))} kernels, {total / 1e3:.1f} ms of kernel time in one step")
-    print("| kernel | calls | ms | share |")
-    print("|---|---|---|---|")
-    for name, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        print(f"| {name[:100]} | {len(v)} | {sum(v) / 1e3:.2f} | {sum(v) / total:.1%} |")
 
 
 def _n(x: float) -> str:
