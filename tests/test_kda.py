@@ -24,6 +24,8 @@ CORES = {"recurrent": kda.kda_recurrent, "chunk": kda.kda_chunk}
 def _opaque(q, k, v, g, beta, *, scale, initial_state=None, reset=None, chunk_size=64):
     return ops.kda_chunk_opaque(q, k, v, g, beta, scale, initial_state, reset, chunk_size)
 SEEDS = st.integers(0, 2**31 - 1)
+NEEDS_TRITON = pytest.mark.skipif(not kimi.kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
+                                  reason="needs Triton (interpreted on the CPU)")
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -195,8 +197,7 @@ def test_opaque_chunk_op_dtypes():
         assert g.dtype == torch.float32 and rel_err(g, r) < 1e-4, n
 
 
-@pytest.mark.skipif(not kimi.kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
-                    reason="needs Triton (interpreted on the CPU)")
+@NEEDS_TRITON
 @pytest.mark.parametrize("h0", [True, False])
 @pytest.mark.parametrize("regime", ["logsigmoid", "m1000"])
 def test_triton_chunk_equals_recurrence_with_gradients(h0, regime):
@@ -230,8 +231,7 @@ def test_triton_chunk_equals_recurrence_with_gradients(h0, regime):
         assert rel_err(got[n], ref[n]) <= 2 * rel_err(chunk[n], ref[n]) + 1e-6, n
 
 
-@pytest.mark.skipif(not kimi.kernels.available(torch.device("cpu")) and not torch.cuda.is_available(),
-                    reason="needs Triton (interpreted on the CPU)")
+@NEEDS_TRITON
 def test_triton_chunk_dtypes():
     """bf16 q/k/v in: bf16 o and fp32 state out. float64 in: a named error (the state pass is fp32 only; the
     float64 path is Backend(kda='chunk'))."""
