@@ -218,7 +218,11 @@ def _intra_chunk(a: Tensor, k: Tensor, gs: Tensor, R: Tensor, E_diag: Tensor) ->
     k_anch = k[..., None, :, :] * R.clamp(max=0).exp()                 # [..., NS, C, K]
     A = (a_anch @ k_anch.transpose(-1, -2)).reshape(*lead, NS, BC, NS, BC)
     # Diagonal blocks: the exact per-pair, per-channel factor ([BC, BC, K], CUDA-core work in FLA).
-    A_diag = torch.einsum("...rd,...jd,...rjd->...rj", a_s, k.reshape(*lead, NS, BC, K), E_diag)
+    # A product and a sum, not an einsum: einsum lowers this to a bmm with one batch entry per (r, j) pair
+    # (B·H·N·NS·BC² ≈ 6M at 4096 tokens and 96 heads), which cuBLAS runs as ~100 batched-GEMV launches per call
+    # and twice as many rank-1 GEMMs in the backward (~45 % of a K3.1-width training step on the H200). Inductor
+    # fuses the product into the reduction.
+    A_diag = (a_s[..., :, None, :] * k.reshape(*lead, NS, 1, BC, K) * E_diag).sum(-1)
     on_diag = torch.eye(NS, dtype=torch.bool, device=a.device)[:, None, :, None]
     A = torch.where(on_diag, A_diag[..., :, :, None, :], A)
     return A.reshape(*lead, C, C)
