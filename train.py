@@ -55,7 +55,7 @@ from torch import Tensor, nn
 import kimi
 from kimi import lora
 from kimi.config import ModelConfig
-from kimi.model import attn_res_mix, decoder_layer, document_runs
+from kimi.model import attn_res_mix, decoder_layer, document_runs, head_weight
 from kimi.common import rms_norm
 from kimi.params import leaf_dtype, param_specs, to_dtype, tree_items, tree_map
 from kimi.tokenizer import load_tokenizer
@@ -378,9 +378,60 @@ def cast_tree(tree, dtype: torch.dtype, fp32_paths: frozenset[str], prefix: str 
     return tree_map(leaf, tree)
 
 
-def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
-    """Summed fp32 cross-entropy over label tokens (labels == IGNORE skipped)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+class _HeadCrossEntropy(torch.autograd.Function):
+    """Σ over label rows of cross-entropy(h Wᵀ, label) in fp32 (float64 for float64 h), one vocabulary block at a
+    time.
+
+    The whole logits never exist: at 4096 tokens and the release's 163840 words they are 1.3 GB in bf16, 2.7 GB
+    as fp32, plus the log-softmax autograd keeps and the gradient, ~8 GB at the moment the step's memory peaks
+    (all activations alive). Forward keeps only the per-row log-sum-exp; backward recomputes each block's logits
+    (one more head matmul) and forms its gradient. Each block of dW is one GEMM over all rows, as in the one-shot
+    form; dh adds the blocks' products in fp32. Logits are rounded to the compute dtype before the fp32 softmax,
+    as `F.cross_entropy(F.linear(h, W).float(), ...)` would."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, w: Tensor, labels: Tensor, block: int) -> Tensor:
+        V, acc = w.shape[0], torch.promote_types(h.dtype, torch.float32)
+        valid = labels != IGNORE
+        lse, target = [], torch.zeros(h.shape[0], dtype=acc, device=h.device)
+        for v0 in range(0, V, block):
+            z = (h @ w[v0:v0 + block].T).to(acc)
+            lse.append(torch.logsumexp(z, -1))
+            inside = valid & (labels >= v0) & (labels < v0 + z.shape[1])
+            col = (labels - v0).clamp(0, z.shape[1] - 1)
+            target = target + torch.where(inside, z.gather(1, col[:, None])[:, 0], 0.0)
+        lse = torch.logsumexp(torch.stack(lse), 0)
+        ctx.save_for_backward(h, w, labels, lse)
+        ctx.block = block
+        return torch.where(valid, lse - target, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        h, w, labels, lse = ctx.saved_tensors
+        valid, acc = labels != IGNORE, lse.dtype
+        row_scale = torch.where(valid, grad.to(acc), 0.0)[:, None]
+        dh = torch.zeros(h.shape, dtype=acc, device=h.device) if ctx.needs_input_grad[0] else None
+        dw = torch.empty_like(w) if ctx.needs_input_grad[1] else None
+        for v0 in range(0, w.shape[0], ctx.block):
+            wb = w[v0:v0 + ctx.block]
+            z = (h @ wb.T).to(acc)
+            inside = valid & (labels >= v0) & (labels < v0 + z.shape[1])
+            col = (labels - v0).clamp(0, z.shape[1] - 1)
+            dz = (z - lse[:, None]).exp().scatter_add(1, col[:, None], -inside.to(z.dtype)[:, None])
+            dz = (dz * row_scale).to(h.dtype)
+            if dw is not None:
+                dw[v0:v0 + ctx.block] = dz.T @ h
+            if dh is not None:
+                dh += dz @ wb
+        return None if dh is None else dh.to(h.dtype), dw, None, None
+
+
+def token_loss_sum(h: Tensor, head: Tensor, labels: Tensor) -> Tensor:
+    """Summed fp32 cross-entropy over label tokens (labels == IGNORE skipped) of the logits h [B, T, D] · headᵀ
+    [V, D], computed by vocabulary blocks of ≤ 64M logits (`_HeadCrossEntropy`)."""
+    h, labels = h.flatten(0, 1), labels.flatten()
+    block = min(head.shape[0], max(1024, (1 << 26) // max(1, h.shape[0])))
+    return _HeadCrossEntropy.apply(h, head, labels, block)
 
 
 def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: Tensor, *, cfg: ModelConfig,
@@ -390,8 +441,8 @@ def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: 
     or a compiled variant (`kimi.compile_layers(...)`)."""
     tree = lora.apply(params, adapters, lora_scale) if adapters else params
     tree = cast_tree(tree, dtype, fp32_paths)
-    logits = forward(tree, input_ids, cfg, backend, document_ids=document_ids)
-    return token_loss_sum(logits, labels)
+    h = forward(tree, input_ids, cfg, backend, document_ids=document_ids, head=False)
+    return token_loss_sum(h, head_weight(tree, cfg), labels)
 
 
 def compiled_loss(scope: str):
@@ -462,7 +513,8 @@ class _Root(_Unit):
         super().__init__(leaves, adapters, "", ctx)
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, input_ids, document_ids):
+    def forward(self, input_ids, document_ids, labels):
+        """The summed label-token loss (the head's weight is gathered only inside this call)."""
         cfg = self.ctx["cfg"]
         tree = self.subtree()
         m = tree["model"]
@@ -474,8 +526,7 @@ class _Root(_Unit):
         if cfg.attn_res_block_size is not None:
             h = attn_res_mix(h, R, m["output_attn_res_norm"], m["output_attn_res_proj"], cfg.rms_norm_eps)
         h = rms_norm(h, m["norm"], cfg.rms_norm_eps)
-        head = m["embed_tokens"]["weight"] if cfg.tie_word_embeddings else tree["lm_head"]["weight"]
-        return F.linear(h, head)
+        return token_loss_sum(h, head_weight(tree, cfg), labels)
 
 
 def build_fsdp(params, adapters, ctx: dict, compile_units: bool) -> _Root:
@@ -794,7 +845,7 @@ def train(cfg: TrainConfig) -> dict:
         root = build_fsdp(params, adapters, ctx, use_compile)
 
         def micro_loss(ids, labels, doc):
-            return token_loss_sum(root(ids, doc), labels)
+            return root(ids, doc, labels)
     else:
         fn = compiled_loss(cfg.compile_scope) if use_compile else loss_sum
 

@@ -107,7 +107,8 @@ def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bo
 
 
 def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
-            document_ids: Tensor | None = None, cache: dict | None = None) -> Tensor | tuple[Tensor, dict]:
+            document_ids: Tensor | None = None, cache: dict | None = None,
+            head: bool = True) -> Tensor | tuple[Tensor, dict]:
     """Logits [B, T, V] (in the parameters' dtype) for input_ids [B, T] (int).
 
     Args:
@@ -120,11 +121,13 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
             first call is the prefill (it may be split over several calls), T = 1 calls are decode steps.
             The buffers are updated in place and pos advances by T; returns (logits, cache). Inference only:
             runs under no_grad.
+        head: False returns the final norm's output [B, T, D] instead of the logits (no cache), for a loss that
+            applies the head itself (train.py's blockwise cross-entropy never holds the [B, T, V] logits).
     """
     if cache is not None:
         with torch.no_grad():
             return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache)
-    return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=None)
+    return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=None, head=head)
 
 
 def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dict]]:
@@ -150,13 +153,18 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
         return compiled(p, h, R, *args, **kwargs)
 
     def regional_forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
-                         document_ids: Tensor | None = None, cache: dict | None = None):
+                         document_ids: Tensor | None = None, cache: dict | None = None, head: bool = True):
         with torch.no_grad() if cache is not None else contextlib.nullcontext():
             return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache,
-                            layer=layer, stacked=True)
+                            layer=layer, stacked=True, head=head or cache is not None)
 
     regional_forward.__doc__ = forward.__doc__
     return regional_forward
+
+
+def head_weight(params: dict, config: ModelConfig) -> Tensor:
+    """The output head's weight [V, D]: `lm_head`, or the embedding when the config ties them."""
+    return params["model"]["embed_tokens"]["weight"] if config.tie_word_embeddings else params["lm_head"]["weight"]
 
 
 def compile_options(**compile_kwargs) -> dict:
@@ -185,7 +193,8 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=layer_step, stacked=False):
+def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=layer_step, stacked=False,
+             head=True):
     backend = backend or DEFAULT_BACKEND
     cfg = config
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -217,8 +226,9 @@ def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=l
     if cfg.attn_res_block_size is not None:
         h = attn_res_mix(h, R, m["output_attn_res_norm"], m["output_attn_res_proj"], cfg.rms_norm_eps)
     h = rms_norm(h, m["norm"], cfg.rms_norm_eps)
-    head = m["embed_tokens"]["weight"] if cfg.tie_word_embeddings else params["lm_head"]["weight"]
-    logits = torch.nn.functional.linear(h, head)
+    if not head:
+        return h
+    logits = torch.nn.functional.linear(h, head_weight(params, cfg))
     if cache is None:
         return logits
     cache["pos"].add_(input_ids.shape[1])

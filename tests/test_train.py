@@ -230,6 +230,29 @@ def test_bad_data_errors(tmp_path):
     assert [len(d.inputs) for d in pieces] == [len(docs[0].inputs), 64, 37]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_blockwise_head_loss_equals_full_cross_entropy(dtype):
+    """The vocabulary-blocked loss (blocks of 7 over 30 words: a ragged last block, labels in every block and
+    ignored rows) gives the loss and gradients of cross-entropy over the whole logits, computed in float64."""
+    N, D, V = 13, 8, 30
+    h = torch.randn(N, D, dtype=torch.float64)
+    w = torch.randn(V, D, dtype=torch.float64)
+    labels = torch.randint(0, V, (N,))
+    labels[[2, 7]] = train.IGNORE
+    h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, ignore_index=train.IGNORE, reduction="sum")
+    (want * 0.5).backward()
+    hd, wd = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+    got = train._HeadCrossEntropy.apply(hd, wd, labels, 7)
+    (got * 0.5).backward()
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    assert got.dtype == torch.promote_types(dtype, torch.float32) and rel_err(got, want) < max(tol, 1e-6)
+    assert rel_err(hd.grad, h64.grad) < tol and rel_err(wd.grad, w64.grad) < tol
+    assert hd.grad.dtype == wd.grad.dtype == dtype
+    # the default block split (token_loss_sum) agrees too
+    assert rel_err(train.token_loss_sum(hd.detach()[None], wd.detach(), labels[None]), want) < max(tol, 1e-6)
+
+
 def test_lr_schedules():
     c = train.TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert train.lr_at(0, c) == pytest.approx(0.1) and train.lr_at(9, c) == pytest.approx(1.0)
@@ -243,7 +266,7 @@ def test_lr_schedules():
 
 def test_non_finite_loss_is_skipped_then_stops(setup, tmp_path, monkeypatch):
     _, ckpt, corpus = setup
-    monkeypatch.setattr(train, "token_loss_sum", lambda logits, labels: logits.sum() * float("nan"))
+    monkeypatch.setattr(train, "token_loss_sum", lambda h, head, labels: h.sum() * float("nan"))
     _, before = kimi.load_checkpoint(ckpt)
     with pytest.warns(UserWarning, match="non-finite"), pytest.raises(train.TrainingDiverged, match="2 consecutive"):
         train.train(config(ckpt, corpus, tmp_path / "nan", max_bad_steps=2))
