@@ -53,7 +53,7 @@ import tyro
 from torch import Tensor, nn
 
 import kimi
-from kimi import lora
+from kimi import kernels, lora
 from kimi.config import ModelConfig
 from kimi.model import attn_res_mix, decoder_layer, document_runs, head_weight
 from kimi.common import rms_norm
@@ -139,10 +139,10 @@ class TrainConfig:
     per FSDP unit."""
     attn: Literal["eager", "sdpa"] = "sdpa"
     kda: Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"] = "auto"
-    """auto: 'chunk' on a GPU (fused by Inductor: on the H200 a K3.1-width step took 830 ms against 1298 ms with
-    'chunk_opaque', for 221 s of compile against 72 s), 'chunk_opaque' when compiling on the CPU (a fraction of
-    the compile time), 'chunk' uncompiled. 'chunk_triton' moves the chunk-to-chunk state pass into one Triton
-    kernel (not yet timed on the GPU). See `kimi.Backend.kda`."""
+    """auto: 'chunk_triton' on a GPU (the chunk algebra fused by Inductor, the chunk-to-chunk state pass one Triton
+    kernel each way: a K3.1-width step on the H200 took 474.5 ms against 530.1 ms with 'chunk', whose state pass is
+    a scan of small matmuls), 'chunk_opaque' when compiling on the CPU (a fraction of the compile time), 'chunk'
+    uncompiled on the CPU. See `kimi.Backend.kda`."""
     moe: Literal["dense", "grouped"] = "grouped"
     mla_form: Literal["expanded", "absorbed"] = "expanded"
 
@@ -834,7 +834,10 @@ def train(cfg: TrainConfig) -> dict:
     if accum * cfg.micro_batch_size * world != cfg.batch_size:
         raise ValueError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size="
                          f"{cfg.micro_batch_size} x {world} processes")
-    kda = cfg.kda if cfg.kda != "auto" else "chunk_opaque" if use_compile and device.type != "cuda" else "chunk"
+    kda = cfg.kda
+    if kda == "auto":
+        kda = ("chunk_triton" if kernels.available(device) else "chunk") if device.type == "cuda" else \
+            "chunk_opaque" if use_compile else "chunk"
     backend = kimi.Backend(attn=cfg.attn, kda=kda, moe=cfg.moe, mla_form=cfg.mla_form)
     fp32_paths = frozenset(p for p, s in tree_items(param_specs(model_cfg)) if s.fp32)
     scale = lora.scale_of(cfg.lora.rank, cfg.lora.alpha) if cfg.lora.rank else 1.0

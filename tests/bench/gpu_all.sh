@@ -5,8 +5,9 @@
 #   bash tests/bench/gpu_all.sh compile                    # medium forward+backward, regional, opaque KDA core
 #   bash tests/bench/gpu_all.sh compile-chunk              # the same with the KDA core traced by Inductor
 #   bash tests/bench/gpu_all.sh compile-triton             # the same with the KDA state pass in Triton
-#   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths
-#   bash tests/bench/gpu_all.sh train-triton               # the same with the KDA state pass in Triton, profiled
+#   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths, profiled
+#   bash tests/bench/gpu_all.sh train-accum                # the same, 4 micro-batches per optimizer step
+#   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
 # Each part prints "<part> rc=<exit code> <seconds> s" at the end of its file; rc 124 means it hit its limit.
 set -u
 cd "$(dirname "$0")/../.."
@@ -22,7 +23,7 @@ run() {  # run <part> <seconds> <command...>
 }
 for part in "$@"; do
   case $part in
-    tests) run tests 300 python -m pytest -q -x tests/test_kernels.py tests/test_gpu.py \
+    tests) run tests 560 python -m pytest -q -x tests/test_kernels.py tests/test_gpu.py \
              tests/test_decode.py::test_decode_step_cuda_graphs "tests/test_kda.py" -k "not test_kda.py or triton" ;;
     decode) run decode 120 python -W ignore tests/bench/decode.py ;;
     profile) run profile 220 python -W ignore tests/bench/decode.py --profile ;;
@@ -38,10 +39,11 @@ for part in "$@"; do
     compile-triton) run compile-triton 560 python -W ignore tests/bench/compile.py --presets medium --devices cuda \
                       --batch 2 --regional --passes forward+backward --kda chunk_triton ;;
     train) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-             run train 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk ;;
-    train-triton) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-                    run train-triton 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk_triton \
-                    --profile ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-triton)"; exit 2 ;;
+             run train 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --profile ;;
+    train-accum) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+                   run train-accum 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --accum 4 ;;
+    train-chunk) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+                   run train-chunk 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-accum, train-chunk)"; exit 2 ;;
   esac
 done

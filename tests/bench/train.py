@@ -16,6 +16,9 @@ expert gets in the release depends on the batch and expert parallelism).
 Model FLOPs per token: `train.model_flops_per_token` (6 x active matmul parameters, plus the attention,
 KDA-state and indexer terms, documented there). MFU = tokens/s x FLOPs per token / peak (dense bf16: 989 TFLOP/s
 on an H100/H200). Timing: `--warmup` steps (compilation), then the median of `--steps` steps, synchronized.
+A step is `--accum` forward+backward passes of B x T tokens, then clipping and one AdamW update: the optimizer's
+fixed cost (it reads and writes 28 bytes a parameter; the embedding and head are 2.35B of the 6.0B parameters at
+4 layers) is spread over accum x B x T tokens, as in training with a global batch larger than one micro-batch.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kimi  # noqa: E402
 import train  # noqa: E402
+from kimi import kernels  # noqa: E402
 from kimi.config import scaled  # noqa: E402
 from kimi.params import param_specs, tree_items  # noqa: E402
 
@@ -56,9 +60,10 @@ def bench(a) -> dict:
     doc = torch.zeros_like(ids)
 
     def step():
-        s = fn(params, {}, ids, labels, doc, cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths,
-               lora_scale=1.0)
-        (s / (B * T)).backward()
+        for _ in range(a.accum):   # the same micro-batch each time: only the timing matters here
+            s = fn(params, {}, ids, labels, doc, cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths,
+                   lora_scale=1.0)
+            (s / (a.accum * B * T)).backward()
         torch.nn.utils.clip_grad_norm_(list(named.values()), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -86,12 +91,12 @@ def bench(a) -> dict:
     if a.profile and device.type == "cuda":
         from kernel_profile import profile_kernels
         profile_kernels(lambda: (step(), sync()), 1, "profile, one training step", top=40)
-    tps = B * T / step_s
+    tps = a.accum * B * T / step_s
     flops = train.model_flops_per_token(cfg, T)
     peak = train.peak_flops(device)
     return dict(model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
                       f"kda={a.kda}",
-                params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True), shape=f"{B}x{T}",
+                params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True), shape=f"{a.accum}x{B}x{T}" if a.accum > 1 else f"{B}x{T}",
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
                 flops_per_token=flops, mfu=tps * flops / peak if peak else math.nan,
@@ -111,9 +116,12 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
-    ap.add_argument("--kda", default="chunk", choices=["chunk", "chunk_opaque", "chunk_triton"],
-                    help="chunk: traced by Inductor (train.py's choice on a GPU); chunk_opaque: the KDA chunk core as "
-                         "one opaque op (fast compile); chunk_triton: chunk with the state pass in Triton")
+    ap.add_argument("--kda", default="auto", choices=["auto", "chunk", "chunk_opaque", "chunk_triton"],
+                    help="auto: train.py's choice (chunk_triton on a GPU, chunk on a CPU); chunk: traced by Inductor, "
+                         "the state pass a scan; chunk_opaque: the KDA chunk core as one opaque op (fast compile); "
+                         "chunk_triton: chunk with the state pass in Triton")
+    ap.add_argument("--accum", type=int, default=1,
+                    help="micro-batches (of --batch x --seq) per optimizer step, as train.py's gradient accumulation")
     ap.add_argument("--mla-form", default="expanded", choices=["expanded", "absorbed"])
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="default: on for CUDA, off for CPU")
@@ -123,6 +131,11 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="then print the per-kernel GPU time of one step (CUDA)")
     a = ap.parse_args()
+    if a.accum < 1:
+        ap.error(f"--accum must be at least 1, got {a.accum}")
+    if a.kda == "auto":
+        a.kda = "chunk_triton" if a.device.startswith("cuda") and kernels.available(torch.device(a.device)) \
+            else "chunk"
     if a.preset in ("k3", "k3_1_pro"):
         a.layers = a.layers or 4
         a.experts = a.experts or 8
