@@ -8,6 +8,8 @@
 #   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths, profiled
 #   bash tests/bench/gpu_all.sh train-accum                # the same, 4 micro-batches per optimizer step
 #   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
+#   bash tests/bench/gpu_all.sh fsdp                       # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
+#   bash tests/bench/gpu_all.sh fsdp-eager                 # the same uncompiled (no compile time)
 # Each part prints "<part> rc=<exit code> <seconds> s" at the end of its file; rc 124 means it hit its limit.
 set -u
 cd "$(dirname "$0")/../.."
@@ -44,6 +46,8 @@ for part in "$@"; do
                    run train-accum 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --accum 4 ;;
     train-chunk) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
                    run train-chunk 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-accum, train-chunk)"; exit 2 ;;
+    fsdp) run fsdp 580 python -W ignore tests/bench/fsdp.py ;;
+    fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-accum, train-chunk, fsdp, fsdp-eager)"; exit 2 ;;
   esac
 done
