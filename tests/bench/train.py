@@ -16,7 +16,7 @@ expert gets in the release depends on the batch and expert parallelism).
 Model FLOPs per token: `train.model_flops_per_token` (6 x active matmul parameters, plus the attention,
 KDA-state and indexer terms, documented there). MFU = tokens/s x FLOPs per token / peak (dense bf16: 989 TFLOP/s
 on an H100/H200). Timing: `--warmup` steps (compilation), then the median of `--steps` steps, synchronized.
-A step is `--accum` forward+backward passes of B x T tokens, then clipping and one AdamW update: the optimizer's
+A step is `--accum` (one row per count given) forward+backward passes of B x T tokens, then clipping and one AdamW update: the optimizer's
 fixed cost (it reads and writes 28 bytes a parameter; the embedding and head are 2.35B of the 6.0B parameters at
 4 layers) is spread over accum x B x T tokens, as in training with a global batch larger than one micro-batch.
 """
@@ -40,7 +40,8 @@ from kimi.config import scaled  # noqa: E402
 from kimi.params import param_specs, tree_items  # noqa: E402
 
 
-def bench(a) -> dict:
+def bench(a) -> list[dict]:
+    """One row per accumulation count in `a.accum`, all after one compilation."""
     device = torch.device(a.device)
     cfg = scaled(kimi.preset(a.preset), num_layers=a.layers, num_experts=a.experts)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -59,11 +60,11 @@ def bench(a) -> dict:
     labels = torch.roll(ids, -1, dims=1)
     doc = torch.zeros_like(ids)
 
-    def step():
-        for _ in range(a.accum):   # the same micro-batch each time: only the timing matters here
+    def step(accum: int):
+        for _ in range(accum):   # the same micro-batch each time: only the timing matters here
             s = fn(params, {}, ids, labels, doc, cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths,
                    lora_scale=1.0)
-            (s / (a.accum * B * T)).backward()
+            (s / (accum * B * T)).backward()
         torch.nn.utils.clip_grad_norm_(list(named.values()), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -74,33 +75,37 @@ def bench(a) -> dict:
 
     t0 = time.perf_counter()
     for i in range(a.warmup):
-        step()
+        step(1)
         sync()
         print(f"  warm-up step {i + 1}/{a.warmup} done at {time.perf_counter() - t0:.0f} s", flush=True)
     warm_s = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(a.steps):
-        sync()
-        t = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t)
-    step_s = statistics.median(times)
-    if a.profile and device.type == "cuda":
-        from kernel_profile import profile_kernels
-        profile_kernels(lambda: (step(), sync()), 1, "profile, one training step", top=40)
-    tps = a.accum * B * T / step_s
     flops = train.model_flops_per_token(cfg, T)
     peak = train.peak_flops(device)
-    return dict(model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
-                      f"kda={a.kda}",
-                params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True), shape=f"{a.accum}x{B}x{T}" if a.accum > 1 else f"{B}x{T}",
-                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
-                flops_per_token=flops, mfu=tps * flops / peak if peak else math.nan,
-                peak_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan)
+    rows = []
+    for accum in a.accum:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(a.steps):
+            sync()
+            t = time.perf_counter()
+            step(accum)
+            sync()
+            times.append(time.perf_counter() - t)
+        step_s = statistics.median(times)
+        tps = accum * B * T / step_s
+        rows.append(dict(
+            model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} kda={a.kda}",
+            params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
+            shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}",
+            device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
+            flops_per_token=flops, mfu=tps * flops / peak if peak else math.nan,
+            peak_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan))
+    if a.profile and device.type == "cuda":
+        from kernel_profile import profile_kernels
+        profile_kernels(lambda: (step(1), sync()), 1, "profile, one training step (one micro-batch)", top=40)
+    return rows
 
 
 def _n(x: float) -> str:
@@ -120,8 +125,9 @@ def main():
                     help="auto: train.py's choice (chunk_triton on a GPU, chunk on a CPU); chunk: traced by Inductor, "
                          "the state pass a scan; chunk_opaque: the KDA chunk core as one opaque op (fast compile); "
                          "chunk_triton: chunk with the state pass in Triton")
-    ap.add_argument("--accum", type=int, default=1,
-                    help="micro-batches (of --batch x --seq) per optimizer step, as train.py's gradient accumulation")
+    ap.add_argument("--accum", type=int, nargs="+", default=[1],
+                    help="micro-batches (of --batch x --seq) per optimizer step, as train.py's gradient accumulation; "
+                         "several counts give one row each after one compilation")
     ap.add_argument("--mla-form", default="expanded", choices=["expanded", "absorbed"])
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="default: on for CUDA, off for CPU")
@@ -131,22 +137,23 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="then print the per-kernel GPU time of one step (CUDA)")
     a = ap.parse_args()
-    if a.accum < 1:
-        ap.error(f"--accum must be at least 1, got {a.accum}")
+    if min(a.accum) < 1:
+        ap.error(f"--accum counts must be at least 1, got {a.accum}")
     if a.kda == "auto":
         a.kda = "chunk_triton" if a.device.startswith("cuda") and kernels.available(torch.device(a.device)) \
             else "chunk"
     if a.preset in ("k3", "k3_1_pro"):
         a.layers = a.layers or 4
         a.experts = a.experts or 8
-    r = bench(a)
-    print(f"\nFLOPs per token {r['flops_per_token'] / 1e9:.3g} G; warm-up (compile) {r['warm_s']:.0f} s")
-    print("| model | params | active | device | B x T | compiled | step ms | tokens/s | TFLOP/s | MFU | peak GB |")
+    rows = bench(a)
+    print(f"\nFLOPs per token {rows[0]['flops_per_token'] / 1e9:.3g} G; warm-up (compile) {rows[0]['warm_s']:.0f} s")
+    print("| model | params | active | device | [accum x] B x T | compiled | step ms | tokens/s | TFLOP/s | MFU | "
+          "peak GB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {r['model']} | {_n(r['params'])} | {_n(r['active'])} | {r['device']} | {r['shape']} | "
-          f"{'yes' if r['compiled'] else 'no'} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.1f} | "
-          f"{r['mfu']:.1%} | {r['peak_gb']:.1f} |")
-
+    for r in rows:
+        print(f"| {r['model']} | {_n(r['params'])} | {_n(r['active'])} | {r['device']} | {r['shape']} | "
+              f"{'yes' if r['compiled'] else 'no'} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.1f} | "
+              f"{r['mfu']:.1%} | {r['peak_gb']:.1f} |")
 
 if __name__ == "__main__":
     main()
