@@ -23,7 +23,8 @@ hooks all-gather one layer just before it runs and free it after, with prefetchi
 DTensor route would gather the whole tree up front in eager mode and relies on compiler passes (nightly-only in
 torchtitan) to get per-layer memory (COMPILE.md B.8). Each unit is compiled on its own (FSDP2's hooks cannot be
 traced); with one process the layers go through `kimi.compile_layers` (or, `--compile-scope model`, the whole
-loss is one `torch.compile(fullgraph=True)` graph).
+model up to the head is one `torch.compile(fullgraph=True)` graph). The loss (`_HeadCrossEntropy`, the head applied
+by vocabulary blocks) always runs eagerly.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import kimi
 from kimi import kernels, lora
 from kimi.config import ModelConfig
 from kimi.model import attn_res_mix, decoder_layer, document_runs, head_weight
-from kimi.common import rms_norm
+from kimi.common import host_checks, rms_norm
 from kimi.params import leaf_dtype, param_specs, to_dtype, tree_items, tree_map
 from kimi.tokenizer import load_tokenizer
 
@@ -135,7 +136,7 @@ class TrainConfig:
     """torch.compile the model: auto is on with a GPU, off on CPU (CPU Inductor code generation takes minutes)."""
     compile_scope: Literal["layers", "model"] = "layers"
     """layers: `kimi.compile_layers`, one graph per distinct layer (compile time independent of depth); model: the
-    whole loss as one fullgraph (more fusion, compile time grows with depth). Several processes always compile
+    model up to the head as one fullgraph (more fusion, compile time grows with depth). Several processes always compile
     per FSDP unit."""
     attn: Literal["eager", "sdpa"] = "sdpa"
     kda: Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"] = "auto"
@@ -426,30 +427,49 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return None if dh is None else dh.to(h.dtype), dw, None, None
 
 
-def token_loss_sum(h: Tensor, head: Tensor, labels: Tensor) -> Tensor:
+def token_loss_sum(h: Tensor, head: Tensor, labels: Tensor, *, block_logits: int = 1 << 26) -> Tensor:
     """Summed fp32 cross-entropy over label tokens (labels == IGNORE skipped) of the logits h [B, T, D] · headᵀ
-    [V, D], computed by vocabulary blocks of ≤ 64M logits (`_HeadCrossEntropy`)."""
+    [V, D], computed by vocabulary blocks of at most `block_logits` logits (at least one word a block;
+    `_HeadCrossEntropy`). Labels outside [0, V) other than IGNORE are an error."""
     h, labels = h.flatten(0, 1), labels.flatten()
-    block = min(head.shape[0], max(1024, (1 << 26) // max(1, h.shape[0])))
+    V = head.shape[0]
+    if host_checks():
+        bad = (labels != IGNORE) & ((labels < 0) | (labels >= V))
+        if bool(bad.any()):
+            raise ValueError(f"label {int(labels[bad][0])} at position {int(bad.nonzero()[0])} of the micro-batch "
+                             f"is outside the vocabulary [0, {V}) (and is not IGNORE={IGNORE})")
+    block = max(1, min(V, block_logits // max(1, h.shape[0])))
     return _HeadCrossEntropy.apply(h, head, labels, block)
 
 
-def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: Tensor, *, cfg: ModelConfig,
-             backend: kimi.Backend, dtype: torch.dtype, fp32_paths: frozenset[str], lora_scale: float,
-             forward=kimi.forward) -> Tensor:
-    """The single-process training objective: summed label-token loss of one micro-batch. `forward`: `kimi.forward`
-    or a compiled variant (`kimi.compile_layers(...)`)."""
+def hidden_states(params, adapters, input_ids: Tensor, document_ids: Tensor, *, cfg: ModelConfig,
+                  backend: kimi.Backend, dtype: torch.dtype, fp32_paths: frozenset[str], lora_scale: float,
+                  forward=kimi.forward) -> tuple[Tensor, Tensor]:
+    """The model up to the head: the final norm's output [B, T, D] and the head's weight, both in the compute
+    dtype (adapters merged). `forward`: `kimi.forward` or a compiled variant (`kimi.compile_layers(...)`)."""
     tree = lora.apply(params, adapters, lora_scale) if adapters else params
     tree = cast_tree(tree, dtype, fp32_paths)
-    h = forward(tree, input_ids, cfg, backend, document_ids=document_ids, head=False)
-    return token_loss_sum(h, head_weight(tree, cfg), labels)
+    return forward(tree, input_ids, cfg, backend, document_ids=document_ids, head=False), head_weight(tree, cfg)
+
+
+def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: Tensor, *, hidden=hidden_states,
+             **kw) -> Tensor:
+    """The single-process training objective: summed label-token loss of one micro-batch. `hidden`:
+    `hidden_states` or a compiled variant; keywords as `hidden_states`'. The loss itself runs eagerly: inside a
+    compiled graph AOTAutograd would merge `_HeadCrossEntropy`'s recomputed block matmuls with the forward's and
+    save every block's logits."""
+    h, head = hidden(params, adapters, input_ids, document_ids, **kw)
+    return token_loss_sum(h, head, labels)
 
 
 def compiled_loss(scope: str):
-    """`loss_sum` compiled: per distinct layer (`scope="layers"`, the rest eager) or as one fullgraph ("model")."""
+    """`loss_sum` with the model compiled: per distinct layer (`scope="layers"`, embedding and output mix eager) or
+    everything up to the head as one fullgraph ("model"); the loss stays eager either way."""
     if scope == "model":
-        return torch.compile(loss_sum, **kimi.compile_options(fullgraph=True))
-    return functools.partial(loss_sum, forward=kimi.compile_layers(fullgraph=True))
+        hidden = torch.compile(hidden_states, **kimi.compile_options(fullgraph=True))
+    else:
+        hidden = functools.partial(hidden_states, forward=kimi.compile_layers(fullgraph=True))
+    return functools.partial(loss_sum, hidden=hidden)
 
 
 def unflatten(flat: dict[str, Tensor]) -> dict:

@@ -221,7 +221,7 @@ def _intra_chunk(a: Tensor, k: Tensor, gs: Tensor, R: Tensor, E_diag: Tensor) ->
     # A product and a sum, not an einsum: einsum lowers this to a bmm with one batch entry per (r, j) pair
     # (B·H·N·NS·BC² ≈ 6M at 4096 tokens and 96 heads), which cuBLAS runs as ~100 batched-GEMV launches per call
     # and twice as many rank-1 GEMMs in the backward (~45 % of a K3.1-width training step on the H200). Inductor
-    # fuses the product into the reduction.
+    # fuses the product into the reduction; run eagerly it makes one more E_diag-sized temporary than the einsum.
     A_diag = (a_s[..., :, None, :] * k.reshape(*lead, NS, 1, BC, K) * E_diag).sum(-1)
     on_diag = torch.eye(NS, dtype=torch.bool, device=a.device)[:, None, :, None]
     A = torch.where(on_diag, A_diag[..., :, :, None, :], A)

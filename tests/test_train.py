@@ -232,25 +232,30 @@ def test_bad_data_errors(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_blockwise_head_loss_equals_full_cross_entropy(dtype):
-    """The vocabulary-blocked loss (blocks of 7 over 30 words: a ragged last block, labels in every block and
-    ignored rows) gives the loss and gradients of cross-entropy over the whole logits, computed in float64."""
-    N, D, V = 13, 8, 30
+    """The vocabulary-blocked loss (blocks of 7 over 30 words: a ragged last block of 2; labels at both edges of
+    every block, ignored rows) gives the loss and gradients of cross-entropy over the whole logits in float64,
+    keeps no [N, V]-sized tensor for the backward, and rejects labels outside the vocabulary."""
+    N, D, V = 15, 8, 30
     h = torch.randn(N, D, dtype=torch.float64)
     w = torch.randn(V, D, dtype=torch.float64)
-    labels = torch.randint(0, V, (N,))
-    labels[[2, 7]] = train.IGNORE
+    labels = torch.tensor([0, 6, 7, 13, 14, 20, 21, 27, 28, 29, train.IGNORE, 3, train.IGNORE, 17, 29])
     h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
     want = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, ignore_index=train.IGNORE, reduction="sum")
     (want * 0.5).backward()
-    hd, wd = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
-    got = train._HeadCrossEntropy.apply(hd, wd, labels, 7)
-    (got * 0.5).backward()
     tol = 1e-12 if dtype == torch.float64 else 2e-2
-    assert got.dtype == torch.promote_types(dtype, torch.float32) and rel_err(got, want) < max(tol, 1e-6)
-    assert rel_err(hd.grad, h64.grad) < tol and rel_err(wd.grad, w64.grad) < tol
-    assert hd.grad.dtype == wd.grad.dtype == dtype
-    # the default block split (token_loss_sum) agrees too
-    assert rel_err(train.token_loss_sum(hd.detach()[None], wd.detach(), labels[None]), want) < max(tol, 1e-6)
+    saved = []
+    for block_logits in (7 * N, N * V, 1):             # blocks of 7, one block, blocks of one word
+        hd, wd = h.to(dtype, copy=True).requires_grad_(), w.to(dtype, copy=True).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            got = train.token_loss_sum(hd[None], wd, labels[None], block_logits=block_logits)
+        (got * 0.5).backward()
+        assert got.dtype == torch.promote_types(dtype, torch.float32) and rel_err(got, want) < max(tol, 1e-6)
+        assert rel_err(hd.grad, h64.grad) < tol and rel_err(wd.grad, w64.grad) < tol
+        assert hd.grad.dtype == wd.grad.dtype == dtype
+    assert saved and all(s.numel() <= max(N * D, V * D) for s in saved)   # h, w, labels, log-sum-exp only
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match=f"label {bad} at position 4 .* outside the vocabulary"):
+            train.token_loss_sum(h[None], w, torch.where(torch.arange(N) == 4, bad, labels)[None])
 
 
 def test_lr_schedules():

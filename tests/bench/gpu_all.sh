@@ -8,8 +8,8 @@
 #   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths (1 and 4
 #                                                          # micro-batches per optimizer step), profiled
 #   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
-#   bash tests/bench/gpu_all.sh fsdp                       # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
-#   bash tests/bench/gpu_all.sh fsdp-eager                 # the same uncompiled (no compile time)
+#   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
+#   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles: tight in 580 s)
 # Each part prints "<part> rc=<exit code> <seconds> s" at the end of its file; rc 124 means it hit its limit.
 set -u
 cd "$(dirname "$0")/../.."

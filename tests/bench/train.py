@@ -16,9 +16,10 @@ expert gets in the release depends on the batch and expert parallelism).
 Model FLOPs per token: `train.model_flops_per_token` (6 x active matmul parameters, plus the attention,
 KDA-state and indexer terms, documented there). MFU = tokens/s x FLOPs per token / peak (dense bf16: 989 TFLOP/s
 on an H100/H200). Timing: `--warmup` steps (compilation), then the median of `--steps` steps, synchronized.
-A step is `--accum` (one row per count given) forward+backward passes of B x T tokens, then clipping and one AdamW update: the optimizer's
-fixed cost (it reads and writes 28 bytes a parameter; the embedding and head are 2.35B of the 6.0B parameters at
-4 layers) is spread over accum x B x T tokens, as in training with a global batch larger than one micro-batch.
+A step is `--accum` forward+backward passes of B x T tokens (one table row per count given), then clipping and
+one AdamW update: the optimizer's fixed cost (it reads and writes 28 bytes a parameter; the embedding and head are
+2.35B of the 6.0B parameters at 4 layers) is spread over accum x B x T tokens, as in training with a global batch
+larger than one micro-batch.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def bench(a) -> list[dict]:
         step_s = statistics.median(times)
         tps = accum * B * T / step_s
         rows.append(dict(
-            model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} kda={a.kda}",
+            model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
+                  f"kda={a.kda}",
             params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
             shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}",
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -122,7 +124,8 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
     ap.add_argument("--kda", default="auto", choices=["auto", "chunk", "chunk_opaque", "chunk_triton"],
-                    help="auto: train.py's choice (chunk_triton on a GPU, chunk on a CPU); chunk: traced by Inductor, "
+                    help="auto: train.py's choice (chunk_triton on a GPU; on a CPU chunk_opaque compiled, chunk "
+                         "eager); chunk: traced by Inductor, "
                          "the state pass a scan; chunk_opaque: the KDA chunk core as one opaque op (fast compile); "
                          "chunk_triton: chunk with the state pass in Triton")
     ap.add_argument("--accum", type=int, nargs="+", default=[1],
@@ -139,9 +142,12 @@ def main():
     a = ap.parse_args()
     if min(a.accum) < 1:
         ap.error(f"--accum counts must be at least 1, got {a.accum}")
-    if a.kda == "auto":
-        a.kda = "chunk_triton" if a.device.startswith("cuda") and kernels.available(torch.device(a.device)) \
-            else "chunk"
+    if a.kda == "auto":   # as train.py --kda auto
+        device = torch.device(a.device)
+        if device.type == "cuda":
+            a.kda = "chunk_triton" if kernels.available(device) else "chunk"
+        else:
+            a.kda = "chunk_opaque" if a.compile else "chunk"
     if a.preset in ("k3", "k3_1_pro"):
         a.layers = a.layers or 4
         a.experts = a.experts or 8
@@ -154,6 +160,7 @@ def main():
         print(f"| {r['model']} | {_n(r['params'])} | {_n(r['active'])} | {r['device']} | {r['shape']} | "
               f"{'yes' if r['compiled'] else 'no'} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.1f} | "
               f"{r['mfu']:.1%} | {r['peak_gb']:.1f} |")
+
 
 if __name__ == "__main__":
     main()
