@@ -1,17 +1,21 @@
 """Test setup: fresh random inputs each run (the seed is printed so a failure can be replayed with
 KIMI_TEST_SEED=N), hypothesis without deadlines, a `gpu` marker that skips cleanly without CUDA, and a fresh
-Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: COMPILE.md B.3), and
-Triton's interpreter on machines without a GPU."""
+Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: COMPILE.md B.3; removed at
+exit), and Triton's interpreter on machines without a GPU."""
 
+import atexit
 import os
 import random
+import shutil
 import tempfile
 
 import pytest
 import torch
 from hypothesis import settings
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="kimi-inductor-"))
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kimi-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 if not torch.cuda.is_available():   # Triton kernels (kimi/kernels.py) run through the interpreter; set before kimi
     os.environ.setdefault("TRITON_INTERPRET", "1")   # is imported: @triton.jit reads it when a kernel is defined
 settings.register_profile("default", deadline=None, print_blob=True)
