@@ -136,8 +136,8 @@ class TrainConfig:
     """torch.compile the model: auto is on with a GPU, off on CPU (CPU Inductor code generation takes minutes)."""
     compile_scope: Literal["layers", "model"] = "layers"
     """layers: `kimi.compile_layers`, one graph per distinct layer (compile time independent of depth); model: the
-    model up to the head as one fullgraph (more fusion, compile time grows with depth). Several processes always compile
-    per FSDP unit."""
+    model up to the head as one fullgraph (more fusion, compile time grows with depth). Several processes always
+    compile per FSDP unit."""
     attn: Literal["eager", "sdpa"] = "sdpa"
     kda: Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"] = "auto"
     """auto: 'chunk_triton' on a GPU (the chunk algebra fused by Inductor, the chunk-to-chunk state pass one Triton
@@ -393,12 +393,13 @@ class _HeadCrossEntropy(torch.autograd.Function):
     """Σ over label rows of cross-entropy(h Wᵀ, label) in fp32 (float64 for float64 h), one vocabulary block at a
     time.
 
-    The whole logits never exist: at 4096 tokens and the release's 163840 words they are 1.3 GB in bf16, 2.7 GB
-    as fp32, plus the log-softmax autograd keeps and the gradient, ~8 GB at the moment the step's memory peaks
-    (all activations alive). Forward keeps only the per-row log-sum-exp; backward recomputes each block's logits
-    (one more head matmul) and forms its gradient. Each block of dW is one GEMM over all rows, as in the one-shot
-    form; dh adds the blocks' products in fp32. Logits are rounded to the compute dtype before the fp32 softmax,
-    as `F.cross_entropy(F.linear(h, W).float(), ...)` would."""
+    The whole logits never exist: at 4096 tokens and the release's 163840 words they are 1.3 GB in bf16 and 2.7 GB
+    as fp32, and the one-shot loss also kept the fp32 log-softmax for its backward, all at the moment the step's
+    memory peaks (every activation alive; the K3.1-width bench step's peak fell 5.1 GB). Forward keeps only the
+    per-row log-sum-exp; backward recomputes each block's logits (one more head matmul) and forms its gradient.
+    Each block of dW is one GEMM over all rows, as in the one-shot form; dh adds the blocks' products in fp32.
+    Logits are rounded to the compute dtype before the fp32 softmax, as `F.cross_entropy(F.linear(h, W).float(),
+    ...)` would."""
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, labels: Tensor, block: int) -> Tensor:
