@@ -379,6 +379,14 @@ def cast_tree(tree, dtype: torch.dtype, fp32_paths: frozenset[str], prefix: str 
     return tree_map(leaf, tree)
 
 
+def auto_kda(device: torch.device, use_compile: bool) -> str:
+    """`--kda auto`: 'chunk_triton' on a GPU with Triton ('chunk' without), 'chunk_opaque' when compiling on the
+    CPU, 'chunk' otherwise (TrainConfig.kda says why)."""
+    if device.type == "cuda":
+        return "chunk_triton" if kernels.available(device) else "chunk"
+    return "chunk_opaque" if use_compile else "chunk"
+
+
 def compiled_cast(**compile_kwargs):
     """`cast_tree` as one compiled graph, for the layer-wise compiled step where the casts would otherwise run
     eagerly. Its backward, the gradients' bf16 -> fp32 casts of every weight, is then generated code too: eager
@@ -402,6 +410,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
     ...)` would."""
 
     @staticmethod
+    def _in_block(labels: Tensor, valid: Tensor, v0: int, width: int) -> tuple[Tensor, Tensor]:
+        """Which rows' labels fall in the block of words [v0, v0 + width), and each row's column there (clamped
+        for the others, which are masked)."""
+        return valid & (labels >= v0) & (labels < v0 + width), (labels - v0).clamp(0, width - 1)
+
+    @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, labels: Tensor, block: int) -> Tensor:
         V, acc = w.shape[0], torch.promote_types(h.dtype, torch.float32)
         valid = labels != IGNORE
@@ -409,8 +423,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         for v0 in range(0, V, block):
             z = (h @ w[v0:v0 + block].T).to(acc)
             lse.append(torch.logsumexp(z, -1))
-            inside = valid & (labels >= v0) & (labels < v0 + z.shape[1])
-            col = (labels - v0).clamp(0, z.shape[1] - 1)
+            inside, col = _HeadCrossEntropy._in_block(labels, valid, v0, z.shape[1])
             target = target + torch.where(inside, z.gather(1, col[:, None])[:, 0], 0.0)
         lse = torch.logsumexp(torch.stack(lse), 0)
         ctx.save_for_backward(h, w, labels, lse)
@@ -427,8 +440,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         for v0 in range(0, w.shape[0], ctx.block):
             wb = w[v0:v0 + ctx.block]
             z = (h @ wb.T).to(acc)
-            inside = valid & (labels >= v0) & (labels < v0 + z.shape[1])
-            col = (labels - v0).clamp(0, z.shape[1] - 1)
+            inside, col = _HeadCrossEntropy._in_block(labels, valid, v0, z.shape[1])
             dz = (z - lse[:, None]).exp().scatter_add(1, col[:, None], -inside.to(z.dtype)[:, None])
             dz = (dz * row_scale).to(h.dtype)
             if dw is not None:
@@ -867,10 +879,7 @@ def train(cfg: TrainConfig) -> dict:
     if accum * cfg.micro_batch_size * world != cfg.batch_size:
         raise ValueError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size="
                          f"{cfg.micro_batch_size} x {world} processes")
-    kda = cfg.kda
-    if kda == "auto":
-        kda = ("chunk_triton" if kernels.available(device) else "chunk") if device.type == "cuda" else \
-            "chunk_opaque" if use_compile else "chunk"
+    kda = auto_kda(device, use_compile) if cfg.kda == "auto" else cfg.kda
     backend = kimi.Backend(attn=cfg.attn, kda=kda, moe=cfg.moe, mla_form=cfg.mla_form)
     fp32_paths = frozenset(p for p, s in tree_items(param_specs(model_cfg)) if s.fp32)
     scale = lora.scale_of(cfg.lora.rank, cfg.lora.alpha) if cfg.lora.rank else 1.0

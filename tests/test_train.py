@@ -285,6 +285,15 @@ def test_compiled_cast_equals_eager_cast():
     assert any(g is None for g in grads[1].values()) and sum(g is not None for g in grads[1].values()) > 10
 
 
+def test_auto_kda_choice():
+    """--kda auto: the opaque core when compiling on a CPU (compile time), the traced one eagerly; on a GPU the
+    Triton state pass when Triton is there."""
+    cpu = torch.device("cpu")
+    assert train.auto_kda(cpu, True) == "chunk_opaque" and train.auto_kda(cpu, False) == "chunk"
+    gpu = torch.device("cuda")
+    assert train.auto_kda(gpu, True) == ("chunk_triton" if train.kernels.triton is not None else "chunk")
+
+
 def test_lr_schedules():
     c = train.TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert train.lr_at(0, c) == pytest.approx(0.1) and train.lr_at(9, c) == pytest.approx(1.0)

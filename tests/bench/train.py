@@ -36,7 +36,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kimi  # noqa: E402
 import train  # noqa: E402
-from kimi import kernels  # noqa: E402
 from kimi.config import scaled  # noqa: E402
 from kimi.params import param_specs, tree_items  # noqa: E402
 
@@ -142,12 +141,9 @@ def main():
     a = ap.parse_args()
     if min(a.accum) < 1:
         ap.error(f"--accum counts must be at least 1, got {a.accum}")
-    if a.kda == "auto":   # as train.py --kda auto
+    if a.kda == "auto":
         device = torch.device(a.device)
-        if device.type == "cuda":
-            a.kda = "chunk_triton" if kernels.available(device) else "chunk"
-        else:
-            a.kda = "chunk_opaque" if a.compile else "chunk"
+        a.kda = train.auto_kda(device, a.compile if a.compile is not None else device.type == "cuda")
     if a.preset in ("k3", "k3_1_pro"):
         a.layers = a.layers or 4
         a.experts = a.experts or 8
