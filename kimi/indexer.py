@@ -78,11 +78,20 @@ def indexer_inputs(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor | None,
     return q, k, w
 
 
-def scores(q: Tensor, k: Tensor, w: Tensor) -> Tensor:
-    """I[b, t, s] = Σ_j w[b, t, j] · ReLU(<q[b, t, j], k[b, s]>), accumulated in fp32 (fp64 for fp64)."""
+def scores(q: Tensor, k: Tensor, w: Tensor, *, max_logits: int = 1 << 28) -> Tensor:
+    """I[b, t, s] = Σ_j w[b, t, j] · ReLU(<q[b, t, j], k[b, s]>), accumulated in fp32 (fp64 for fp64).
+
+    The per-head logits [B, T, n, S] are formed for at most `max_logits` at a time (blocks of queries): at 4096
+    tokens and 64 heads they are 4 GiB in fp32, allocated when a training step's memory is at its highest."""
     ct = compute_dtype(w.dtype)
-    logits = torch.einsum("btnd,bsd->btns", q.to(ct), k.to(ct))
-    return torch.einsum("btns,btn->bts", logits.relu(), w.to(ct))
+    B, T, n, _ = q.shape
+    rows = max(1, max_logits // max(1, B * n * k.shape[1]))
+
+    def block(qb: Tensor, wb: Tensor) -> Tensor:
+        return torch.einsum("btns,btn->bts", torch.einsum("btnd,bsd->btns", qb.to(ct), k.to(ct)).relu(), wb.to(ct))
+    if T <= rows:
+        return block(q, w)
+    return torch.cat([block(q[:, t:t + rows], w[:, t:t + rows]) for t in range(0, T, rows)], dim=1)
 
 
 def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> Tensor:

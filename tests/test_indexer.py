@@ -7,6 +7,7 @@ from hypothesis import given, strategies as st
 
 import kimi
 from helpers import rel_err, tiny
+from kimi import indexer
 from kimi.indexer import indexer_scores, positions_in_document, topk_reference, visible_keys
 from kimi.model import document_runs
 
@@ -94,6 +95,18 @@ def test_scores_match_loop_formula():
             for s in range(x.shape[1]):
                 ref[b, t, s] = sum(w[b, t, j] * torch.relu(d ** -0.5 * q[b, t, j] @ k[b, s]) for j in range(n))
     assert rel_err(scores, ref) < 1e-12
+
+
+def test_scores_by_query_blocks_equal_one_block():
+    """Bounding the per-head logits (`max_logits`) splits the queries into blocks (ragged last one) and gives the
+    same scores as one block, bit for bit in float64."""
+    B, T, S, n, d = 2, 13, 13, 4, 8
+    q, k, w = torch.randn(B, T, n, d, dtype=torch.float64), torch.randn(B, S, d, dtype=torch.float64), \
+        torch.randn(B, T, n, dtype=torch.float64)
+    whole = indexer.scores(q, k, w)
+    for rows in (1, 3, 5, 12):
+        assert torch.equal(indexer.scores(q, k, w, max_logits=rows * B * n * S), whole)
+    assert torch.equal(indexer.scores(q, k, w, max_logits=1), whole)
 
 
 def test_positive_scaling_of_weights_keeps_selection():
