@@ -100,3 +100,28 @@ def test_generate_decode_cuda_graph_equals_eager(inductor):
                        steps=gen.make_steps(cfg, backend, True, {} if inductor else {"backend": "eager"}))
     assert got.tokens == want.tokens
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_head_loss_equals_float64(dtype):
+    """train.py's blockwise head loss on a GPU, where each block's softmax statistics and logits gradient are
+    generated kernels (compiled, dynamic block width and offset): loss and both gradients against float64
+    cross-entropy, logits kept and recomputed, ragged last block, ignored rows."""
+    import train
+    N, D, V = 300, 64, 1000
+    h = torch.randn(N, D, dtype=torch.float64)
+    w = torch.randn(V, D, dtype=torch.float64) * 0.3
+    labels = torch.randint(0, V, (N,))
+    labels[::7] = train.IGNORE
+    labels[1], labels[2] = 0, V - 1
+    h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, ignore_index=train.IGNORE, reduction="sum")
+    (want / N).backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for keep_logits in (0, N * V):
+        hd = h.to("cuda", dtype).requires_grad_()
+        wd = w.to("cuda", dtype).requires_grad_()
+        got = train.token_loss_sum(hd[None], wd, labels.cuda()[None], block_logits=N * 300, keep_logits=keep_logits)
+        (got / N).backward()
+        assert got.dtype == torch.float32 and rel_err(got.cpu(), want) < max(tol, 1e-6)
+        assert rel_err(hd.grad.cpu(), h64.grad) < tol and rel_err(wd.grad.cpu(), w64.grad) < tol
