@@ -146,6 +146,9 @@ class TrainConfig:
     uncompiled on the CPU. See `kimi.Backend.kda`."""
     moe: Literal["dense", "grouped"] = "grouped"
     mla_form: Literal["expanded", "absorbed"] = "expanded"
+    tf32: bool = True
+    """GPU: fp32 matmuls (the KDA chunk algebra's products, in fp32 for bf16 inputs) run on TF32 tensor cores
+    (`torch.set_float32_matmul_precision("high")`); --no-tf32 keeps them full fp32."""
 
     log_every: int = 10
     eval_every: int = 50
@@ -388,72 +391,153 @@ def auto_kda(device: torch.device, use_compile: bool) -> str:
 
 
 def compiled_cast(**compile_kwargs):
-    """`cast_tree` as one compiled graph, for the layer-wise compiled step where the casts would otherwise run
-    eagerly. Its backward, the gradients' bf16 -> fp32 casts of every weight, is then generated code too: eager
-    CUDA has no vectorized kernel for that direction (PyTorch's generic dtype-converting copy: on the H200 a
-    K3.1-width micro-batch spent 23.6 ms in it, 134 calls of which 99 are these casts, against 9.6 ms for the
-    vectorized fp32 -> bf16 casts of the forward)."""
-    return torch.compile(cast_tree, **kimi.compile_options(**{"fullgraph": True, "dynamic": False,
-                                                               **compile_kwargs}))
+    """`cast_tree` for fp32 master weights, with their gradients written straight into the fp32 `.grad`s
+    (`_MasterCast`) by generated kernels: the layer-wise compiled step's casts, which otherwise run eagerly.
+
+    Eagerly the backward of each cast is a bf16 -> fp32 copy, for which CUDA has no vectorized kernel (PyTorch's
+    generic dtype-converting copy: on the H200 a K3.1-width micro-batch spent 23.6 ms in it, 134 calls of which 99
+    are these casts, against 9.6 ms for the vectorized fp32 -> bf16 casts of the forward), and with gradient
+    accumulation AccumulateGrad then adds that fp32 copy to `.grad` in one more pass (measured: 4 micro-batches
+    took 51 ms more than 4 x (one micro-batch step − the 70 ms optimizer)). Here each gradient is upcast into a new
+    `.grad`, or added to the existing one, in one generated kernel as soon as it exists (on the H200: 10.9 ms a
+    micro-batch for all 92 weights). Leaves that are not trainable leaves (frozen weights, LoRA-merged weights) get
+    a plain cast. `compile_kwargs` go to `torch.compile` (e.g. a test's `backend="aot_eager"`)."""
+    # Graphs: one per rank of the flattened gradient's base (views are guarded on it), size-1 leaves: a few.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    opts = kimi.compile_options(**{"fullgraph": True, "dynamic": True, **compile_kwargs})
+    kernels = (torch.compile(_upcast, **opts), torch.compile(_accumulate, **opts))
+    warm = set()
+
+    def cast(tree, dtype: torch.dtype, fp32_paths: frozenset[str], prefix: str = ""):
+        def leaf(path, p):
+            if (prefix + path) in fp32_paths or p.dtype == dtype:
+                return p
+            if not (p.is_leaf and p.requires_grad):
+                return p.to(dtype)
+            if (p.device, p.dtype, dtype) not in warm:
+                # Compile both kernels here, on this thread (the backward runs them on autograd's device thread),
+                # in the backward's grad mode, on a weight-sized example: Inductor picks a dynamic kernel's block
+                # size from the first example's size (compiled on 2 elements, the upcast took 1.8 s a step).
+                with torch.no_grad():
+                    x = torch.zeros(1 << 24, dtype=dtype, device=p.device)
+                    kernels[1](kernels[0](x, p.dtype), x)
+                warm.add((p.device, p.dtype, dtype))
+            return _MasterCast.apply(p, dtype, kernels)
+        return tree_map(leaf, tree)
+    return cast
+
+
+def _upcast(g: Tensor, dtype: torch.dtype) -> Tensor:
+    return g.to(dtype)
+
+
+def _accumulate(acc: Tensor, g: Tensor) -> None:
+    acc.add_(g.to(acc.dtype))
+
+
+class _MasterCast(torch.autograd.Function):
+    """A trainable leaf p in the compute dtype; backward puts the gradient into p.grad itself, in p's dtype: a new
+    tensor when p.grad is None (`kernels[0]`, upcast), else added in place (`kernels[1]`), as AccumulateGrad would,
+    and passes nothing on (p is a leaf). `.backward()` accumulates as usual; `torch.autograd.grad(..., p)` would
+    see no gradient, so only train.py's step uses this."""
+
+    @staticmethod
+    def forward(ctx, p: Tensor, dtype: torch.dtype, kernels) -> Tensor:
+        ctx.p, ctx.kernels = p, kernels
+        return p.to(dtype)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        p, (upcast, accumulate) = ctx.p, ctx.kernels
+        flat = g.reshape(-1)   # flat: Dynamo keeps sizes symbolic (one graph for all shapes)
+        if p.grad is None:
+            p.grad = upcast(flat, p.dtype).view(p.shape)
+        else:
+            accumulate(p.grad.view(-1), flat)
+        return None, None, None
+
+
+def _block_stats(z: Tensor, labels: Tensor, v0: int) -> tuple[Tensor, Tensor]:
+    """One vocabulary block of logits z [N, W] (words v0 ..): each row's log-sum-exp and its label's logit (0 when
+    the label is not in the block; IGNORE = -100 never is), in fp32 (float64 for float64 z)."""
+    zf = z.to(torch.promote_types(z.dtype, torch.float32))
+    inside = (labels >= v0) & (labels < v0 + z.shape[1])
+    col = (labels - v0).clamp(0, z.shape[1] - 1)
+    return torch.logsumexp(zf, -1), torch.where(inside, zf.gather(1, col[:, None])[:, 0], 0.0)
+
+
+def _block_grad(z: Tensor, lse: Tensor, labels: Tensor, v0: int, row_scale: Tensor) -> Tensor:
+    """The loss's gradient at one block of logits z [N, W], in z's dtype: (softmax − onehot(label)) · row_scale
+    [N, 1] (0 on IGNORE rows), the softmax in fp32 from the whole row's log-sum-exp lse [N]."""
+    zf = z.to(lse.dtype)
+    onehot = labels[:, None] == v0 + torch.arange(z.shape[1], device=z.device)
+    return (((zf - lse[:, None]).exp() - onehot.to(zf.dtype)) * row_scale).to(z.dtype)
+
+
+@functools.cache
+def _loss_kernels(fused: bool):
+    """(_block_stats, _block_grad), each one generated kernel per block on a GPU (`fused`): eagerly they are ~10
+    passes over fp32 copies of the block. Inference graphs (no autograd inside `_HeadCrossEntropy`); block width
+    and offset are dynamic, so one graph serves every block."""
+    if not fused:
+        return _block_stats, _block_grad
+    opts = kimi.compile_options(fullgraph=True, dynamic=True)
+    return torch.compile(_block_stats, **opts), torch.compile(_block_grad, **opts)
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
     """Σ over label rows of cross-entropy(h Wᵀ, label) in fp32 (float64 for float64 h), one vocabulary block at a
-    time.
+    time, without an fp32 [N, V] tensor.
 
-    The whole logits never exist: at 4096 tokens and the release's 163840 words they are 1.3 GB in bf16 and 2.7 GB
-    as fp32, and the one-shot loss also kept the fp32 log-softmax for its backward, all at the moment the step's
-    memory peaks (every activation alive; the K3.1-width bench step's peak fell 5.1 GB). Forward keeps only the
-    per-row log-sum-exp; backward recomputes each block's logits (one more head matmul) and forms its gradient.
-    Each block of dW is one GEMM over all rows, as in the one-shot form; dh adds the blocks' products in fp32.
-    Logits are rounded to the compute dtype before the fp32 softmax, as `F.cross_entropy(F.linear(h, W).float(),
-    ...)` would."""
-
-    @staticmethod
-    def _in_block(labels: Tensor, valid: Tensor, v0: int, width: int) -> tuple[Tensor, Tensor]:
-        """Which rows' labels fall in the block of words [v0, v0 + width), and each row's column there (clamped
-        for the others, which are masked)."""
-        return valid & (labels >= v0) & (labels < v0 + width), (labels - v0).clamp(0, width - 1)
+    At 4096 tokens and the release's 163840 words the logits are 1.3 GB in bf16 and 2.7 GB as fp32; the one-shot
+    loss also kept the fp32 log-softmax for its backward, all when the step's memory peaks (every activation
+    alive). Here the forward keeps each row's log-sum-exp and, when `keep`, the compute-dtype logits blocks (the
+    bf16 logits, half the fp32 size); otherwise the backward recomputes each block (one more head matmul: 9.6
+    TFLOP, ~14 ms on the H200 at 4096 tokens). Per block the softmax statistics and the logits' gradient are one
+    fused kernel each on a GPU (`_loss_kernels`). Each block of dW is one GEMM over all rows; dh adds the blocks'
+    products in fp32. Logits are rounded to the compute dtype before the fp32 softmax, as
+    `F.cross_entropy(F.linear(h, W).float(), ...)` would."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, w: Tensor, labels: Tensor, block: int) -> Tensor:
-        V, acc = w.shape[0], torch.promote_types(h.dtype, torch.float32)
-        valid = labels != IGNORE
-        lse, target = [], torch.zeros(h.shape[0], dtype=acc, device=h.device)
-        for v0 in range(0, V, block):
-            z = (h @ w[v0:v0 + block].T).to(acc)
-            lse.append(torch.logsumexp(z, -1))
-            inside, col = _HeadCrossEntropy._in_block(labels, valid, v0, z.shape[1])
-            target = target + torch.where(inside, z.gather(1, col[:, None])[:, 0], 0.0)
+    def forward(ctx, h: Tensor, w: Tensor, labels: Tensor, block: int, keep: bool) -> Tensor:
+        stats, _ = _loss_kernels(h.is_cuda)
+        lse, target, kept = [], 0.0, []
+        for v0 in range(0, w.shape[0], block):
+            z = h @ w[v0:v0 + block].T
+            l, t = stats(z, labels, v0)
+            lse.append(l)
+            target = target + t
+            if keep:
+                kept.append(z)
         lse = torch.logsumexp(torch.stack(lse), 0)
-        ctx.save_for_backward(h, w, labels, lse)
+        ctx.save_for_backward(h, w, labels, lse, *kept)
         ctx.block = block
-        return torch.where(valid, lse - target, 0.0).sum()
+        return torch.where(labels != IGNORE, lse - target, 0.0).sum()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        h, w, labels, lse = ctx.saved_tensors
-        valid, acc = labels != IGNORE, lse.dtype
-        row_scale = torch.where(valid, grad.to(acc), 0.0)[:, None]
-        dh = torch.zeros(h.shape, dtype=acc, device=h.device) if ctx.needs_input_grad[0] else None
+        h, w, labels, lse, *kept = ctx.saved_tensors
+        _, block_grad = _loss_kernels(h.is_cuda)
+        row_scale = torch.where(labels != IGNORE, grad.to(lse.dtype), 0.0)[:, None]
+        dh = torch.zeros(h.shape, dtype=lse.dtype, device=h.device) if ctx.needs_input_grad[0] else None
         dw = torch.empty_like(w) if ctx.needs_input_grad[1] else None
-        for v0 in range(0, w.shape[0], ctx.block):
+        for i, v0 in enumerate(range(0, w.shape[0], ctx.block)):
             wb = w[v0:v0 + ctx.block]
-            z = (h @ wb.T).to(acc)
-            inside, col = _HeadCrossEntropy._in_block(labels, valid, v0, z.shape[1])
-            dz = (z - lse[:, None]).exp().scatter_add(1, col[:, None], -inside.to(z.dtype)[:, None])
-            dz = (dz * row_scale).to(h.dtype)
+            dz = block_grad(kept[i] if kept else h @ wb.T, lse, labels, v0, row_scale)
             if dw is not None:
                 dw[v0:v0 + ctx.block] = dz.T @ h
             if dh is not None:
                 dh += dz @ wb
-        return None if dh is None else dh.to(h.dtype), dw, None, None
+        return None if dh is None else dh.to(h.dtype), dw, None, None, None
 
 
-def token_loss_sum(h: Tensor, head: Tensor, labels: Tensor, *, block_logits: int = 1 << 26) -> Tensor:
+def token_loss_sum(h: Tensor, head: Tensor, labels: Tensor, *, block_logits: int = 1 << 26,
+                   keep_logits: int = 1 << 30) -> Tensor:
     """Summed fp32 cross-entropy over label tokens (labels == IGNORE skipped) of the logits h [B, T, D] · headᵀ
     [V, D], computed by vocabulary blocks of at most `block_logits` logits (at least one word a block;
-    `_HeadCrossEntropy`). Labels outside [0, V) other than IGNORE are an error."""
+    `_HeadCrossEntropy`). The compute-dtype logits are kept for the backward when there are at most `keep_logits`
+    of them (2 GiB in bf16; 4096 tokens of the release's vocabulary are 0.67G), else recomputed there. Labels
+    outside [0, V) other than IGNORE are an error."""
     h, labels = h.flatten(0, 1), labels.flatten()
     V = head.shape[0]
     if host_checks():
@@ -462,7 +546,7 @@ def token_loss_sum(h: Tensor, head: Tensor, labels: Tensor, *, block_logits: int
             raise ValueError(f"label {int(labels[bad][0])} at position {int(bad.nonzero()[0])} of the micro-batch "
                              f"is outside the vocabulary [0, {V}) (and is not IGNORE={IGNORE})")
     block = max(1, min(V, block_logits // max(1, h.shape[0])))
-    return _HeadCrossEntropy.apply(h, head, labels, block)
+    return _HeadCrossEntropy.apply(h, head, labels, block, h.shape[0] * V <= keep_logits)
 
 
 def hidden_states(params, adapters, input_ids: Tensor, document_ids: Tensor, *, cfg: ModelConfig,
@@ -477,13 +561,13 @@ def hidden_states(params, adapters, input_ids: Tensor, document_ids: Tensor, *, 
 
 
 def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: Tensor, *, hidden=hidden_states,
-             **kw) -> Tensor:
+             keep_logits: int = 1 << 30, **kw) -> Tensor:
     """The single-process training objective: summed label-token loss of one micro-batch. `hidden`:
-    `hidden_states` or a compiled variant; keywords as `hidden_states`'. The loss itself runs eagerly: inside a
-    compiled graph AOTAutograd would merge `_HeadCrossEntropy`'s recomputed block matmuls with the forward's and
-    save every block's logits."""
+    `hidden_states` or a compiled variant; `keep_logits` as `token_loss_sum`'s; other keywords as
+    `hidden_states`'. The loss itself runs eagerly: inside a compiled graph AOTAutograd would merge
+    `_HeadCrossEntropy`'s block matmuls (and recomputed ones) with the rest of the graph."""
     h, head = hidden(params, adapters, input_ids, document_ids, **kw)
-    return token_loss_sum(h, head, labels)
+    return token_loss_sum(h, head, labels, keep_logits=keep_logits)
 
 
 def compiled_loss(scope: str):
@@ -867,6 +951,8 @@ def train(cfg: TrainConfig) -> dict:
     log = print if is_main else (lambda *a, **k: None)
     compute = to_dtype(("bfloat16" if device.type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype)
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)

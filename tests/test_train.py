@@ -234,7 +234,8 @@ def test_bad_data_errors(tmp_path):
 def test_blockwise_head_loss_equals_full_cross_entropy(dtype):
     """The vocabulary-blocked loss (blocks of 7 over 30 words: a ragged last block of 2; labels at both edges of
     every block, ignored rows) gives the loss and gradients of cross-entropy over the whole logits in float64,
-    keeps no [N, V]-sized tensor for the backward, and rejects labels outside the vocabulary."""
+    with the logits kept or recomputed; recomputing, it keeps no [N, V]-sized tensor for the backward, keeping,
+    only the compute-dtype logits blocks; and it rejects labels outside the vocabulary."""
     N, D, V = 15, 8, 30
     h = torch.randn(N, D, dtype=torch.float64)
     w = torch.randn(V, D, dtype=torch.float64)
@@ -243,45 +244,57 @@ def test_blockwise_head_loss_equals_full_cross_entropy(dtype):
     want = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, ignore_index=train.IGNORE, reduction="sum")
     (want * 0.5).backward()
     tol = 1e-12 if dtype == torch.float64 else 2e-2
-    saved = []
     for block_logits in (7 * N, N * V, 1):             # blocks of 7, one block, blocks of one word
-        hd, wd = h.to(dtype, copy=True).requires_grad_(), w.to(dtype, copy=True).requires_grad_()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-            got = train.token_loss_sum(hd[None], wd, labels[None], block_logits=block_logits)
-        (got * 0.5).backward()
-        assert got.dtype == torch.promote_types(dtype, torch.float32) and rel_err(got, want) < max(tol, 1e-6)
-        assert rel_err(hd.grad, h64.grad) < tol and rel_err(wd.grad, w64.grad) < tol
-        assert hd.grad.dtype == wd.grad.dtype == dtype
-    assert saved and all(s.numel() <= max(N * D, V * D) for s in saved)   # h, w, labels, log-sum-exp only
+        for keep_logits in (0, N * V):
+            hd, wd = h.to(dtype, copy=True).requires_grad_(), w.to(dtype, copy=True).requires_grad_()
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                got = train.token_loss_sum(hd[None], wd, labels[None], block_logits=block_logits,
+                                           keep_logits=keep_logits)
+            (got * 0.5).backward()
+            assert got.dtype == torch.promote_types(dtype, torch.float32) and rel_err(got, want) < max(tol, 1e-6)
+            assert rel_err(hd.grad, h64.grad) < tol and rel_err(wd.grad, w64.grad) < tol
+            assert hd.grad.dtype == wd.grad.dtype == dtype
+            assert all(t.numel() <= max(N * D, V * D) for t in saved[:4])   # h, w, labels, log-sum-exp
+            kept = saved[4:]                                                  # the logits blocks, when kept
+            assert sum(t.numel() for t in kept) == (N * V if keep_logits else 0)
+            assert all(t.dtype == dtype and t.shape[0] == N for t in kept)
     for bad in (V, -1):
         with pytest.raises(ValueError, match=f"label {bad} at position 4 .* outside the vocabulary"):
             train.token_loss_sum(h[None], w, torch.where(torch.arange(N) == 4, bad, labels)[None])
 
 
 def test_compiled_cast_equals_eager_cast():
-    """The compiled weight cast of the layer-wise compiled step (one graph over the whole tree; Dynamo with AOT
-    autograd here, Inductor on a GPU) gives the eager casts bit for bit, keeps the fp32 leaves, and its backward
-    gives the same fp32 gradients; frozen leaves (the indexer) get none."""
+    """The compiled weight casts of the layer-wise compiled step (Dynamo with AOT autograd here, Inductor on a GPU)
+    give the eager casts bit for bit and keep the fp32 leaves; their backward writes the same fp32 gradients into
+    `.grad`, also when accumulating over two backward passes; frozen leaves (the indexer) get none; each leaf is
+    its own autograd node (its gradient is cast as soon as it exists, not when the last one arrives)."""
     from kimi.config import KDAConfig
     cfg = tiny(num_hidden_layers=2, linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,),
                                                                   full_attn_layers=(2,)))
     params = kimi.init_params(cfg, seed=0)
     fp32 = frozenset(p for p, s in tree_items(kimi.param_specs(cfg)) if s.fp32)
-    got = dict(tree_items(train.compiled_cast(backend="aot_eager")(params, torch.bfloat16, fp32)))
+    compiled = train.compiled_cast(backend="aot_eager")
     want = dict(tree_items(train.cast_tree(params, torch.bfloat16, fp32)))
+    got = dict(tree_items(compiled(params, torch.bfloat16, fp32)))
     assert got.keys() == want.keys() and fp32 and any(v.dtype == torch.bfloat16 for v in want.values())
     for k, v in want.items():
         assert got[k].dtype == v.dtype == (torch.float32 if k in fp32 else torch.bfloat16) and torch.equal(got[k], v)
-    probe = {k: torch.randn(v.shape) for k, v in want.items()}
+    nodes = [got[k].grad_fn for k in want if k not in fp32 and got[k].requires_grad]
+    assert len(nodes) > 10 and len(set(map(id, nodes))) == len(nodes)   # one autograd node per leaf, none shared
+    probes = [{k: torch.randn(v.shape) for k, v in want.items()} for _ in range(2)]
     grads = []
-    for tree in (got, want):
-        sum((tree[k].float() * probe[k]).sum() for k in tree).backward()
+    for cast in (compiled, train.cast_tree):
+        for probe in probes:                          # two passes: the second accumulates into .grad
+            tree = dict(tree_items(cast(params, torch.bfloat16, fp32)))
+            sum((tree[k].float() * probe[k]).sum() for k in tree).backward()
         grads.append({k: v.grad for k, v in tree_items(params)})
         for _, v in tree_items(params):
             v.grad = None
     assert grads[0].keys() == grads[1].keys()
     for k, g in grads[1].items():
-        assert (g is None) == (grads[0][k] is None) and (g is None or torch.equal(g, grads[0][k]))
+        assert (g is None) == (grads[0][k] is None)
+        assert g is None or (grads[0][k].dtype == torch.float32 and torch.equal(g, grads[0][k]))
     assert any(g is None for g in grads[1].values()) and sum(g is not None for g in grads[1].values()) > 10
 
 
