@@ -5,8 +5,9 @@
 #   bash tests/bench/gpu_all.sh compile                    # medium forward+backward, regional, opaque KDA core
 #   bash tests/bench/gpu_all.sh compile-chunk              # the same with the KDA core traced by Inductor
 #   bash tests/bench/gpu_all.sh compile-triton             # the same with the KDA state pass in Triton
-#   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths (1 and 4
-#                                                          # micro-batches per optimizer step), profiled
+#   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths, 1 x 4096
+#                                                          # (1 and 4 micro-batches per optimizer step), profiled
+#   bash tests/bench/gpu_all.sh train-2048                 # the same at 1 x 2048 (the SFT recipe's rows), 1 and 8 micro-batches
 #   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
 #   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles: tight in 580 s)
@@ -42,10 +43,12 @@ for part in "$@"; do
                       --batch 2 --regional --passes forward+backward --kda chunk_triton ;;
     train) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
              run train 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --accum 1 4 --profile ;;
+    train-2048) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+                  run train-2048 560 python -W ignore tests/bench/train.py --seq 2048 --warmup 2 --steps 3 --accum 1 8 ;;
     train-chunk) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
                    run train-chunk 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk ;;
     fsdp) run fsdp 580 python -W ignore tests/bench/fsdp.py ;;
     fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-chunk, fsdp, fsdp-eager)"; exit 2 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-chunk, fsdp, fsdp-eager)"; exit 2 ;;
   esac
 done

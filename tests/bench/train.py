@@ -1,5 +1,6 @@
-"""Training-step throughput: tokens/s, MFU and peak memory of train.py's step (compiled loss, fp32 master weights,
-bf16 compute, fused AdamW, clipping) on one device, random weights.
+"""Training-step throughput: tokens/s, MFU and peak memory of train.py's step (compiled layers, fp32 master weights
+with train.compiled_cast's gradient upcasts, bf16 compute, TF32 fp32 matmuls, the blockwise loss, fused AdamW,
+clipping) on one device, random weights.
 
     python tests/bench/train.py                                  # one H200: K3.1 Pro widths, 4 layers, 8 experts
     python tests/bench/train.py --device cpu --preset tiny --batch 2 --seq 64 --steps 2
@@ -19,12 +20,15 @@ on an H100/H200). Timing: `--warmup` steps (compilation), then the median of `--
 A step is `--accum` forward+backward passes of B x T tokens (one table row per count given), then clipping and
 one AdamW update: the optimizer's fixed cost (it reads and writes 28 bytes a parameter; the embedding and head are
 2.35B of the 6.0B parameters at 4 layers) is spread over accum x B x T tokens, as in training with a global batch
-larger than one micro-batch.
+larger than one micro-batch. The accumulated fp32 gradients (22 GiB at 6.0B parameters) stay resident through
+the following micro-batches: a count that runs out of memory with the loss keeping its bf16 logits is retried
+with them recomputed (the `logits` column says which). H200 results: README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -54,16 +58,21 @@ def bench(a) -> list[dict]:
                             fused=device.type == "cuda")
     fp32_paths = frozenset(p for p, s in tree_items(param_specs(cfg)) if s.fp32)
     backend = kimi.Backend(attn=a.attn, kda=a.kda, moe="grouped", mla_form=a.mla_form)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if a.tf32 else "highest")
     fn = train.compiled_loss(a.compile_scope) if use_compile else train.loss_sum
+    if use_compile and a.compile_scope == "layers" and a.cast == "eager":
+        fn = functools.partial(train.loss_sum, hidden=functools.partial(
+            train.hidden_states, forward=kimi.compile_layers(fullgraph=True)))
     V, B, T = cfg.vocab_size, a.batch, a.seq
     ids = torch.randint(0, V, (B, T), device=device)
     labels = torch.roll(ids, -1, dims=1)
     doc = torch.zeros_like(ids)
 
-    def step(accum: int):
+    def step(accum: int, keep_logits: int = 1 << 30):
         for _ in range(accum):   # the same micro-batch each time: only the timing matters here
             s = fn(params, {}, ids, labels, doc, cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths,
-                   lora_scale=1.0)
+                   lora_scale=1.0, keep_logits=keep_logits)
             (s / (accum * B * T)).backward()
         torch.nn.utils.clip_grad_norm_(list(named.values()), 1.0, foreach=True)
         opt.step()
@@ -77,36 +86,70 @@ def bench(a) -> list[dict]:
     for i in range(a.warmup):
         step(1)
         sync()
-        print(f"  warm-up step {i + 1}/{a.warmup} done at {time.perf_counter() - t0:.0f} s", flush=True)
+        mem = ""
+        if device.type == "cuda":
+            mem = (f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated after it, peak "
+                   f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+            torch.cuda.reset_peak_memory_stats(device)
+        print(f"  warm-up step {i + 1}/{a.warmup} done at {time.perf_counter() - t0:.0f} s{mem}", flush=True)
     warm_s = time.perf_counter() - t0
     flops = train.model_flops_per_token(cfg, T)
     peak = train.peak_flops(device)
     rows = []
-    for accum in a.accum:
+
+    def timed(accum: int, keep_logits: int) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(a.steps):
             sync()
             t = time.perf_counter()
-            step(accum)
+            step(accum, keep_logits)
             sync()
             times.append(time.perf_counter() - t)
         step_s = statistics.median(times)
         tps = accum * B * T / step_s
-        rows.append(dict(
+        return dict(
             model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
-                  f"kda={a.kda}",
+                  f"kda={a.kda} cast={a.cast} tf32={'on' if a.tf32 else 'off'}",
             params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
-            shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}",
+            shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}", logits="kept" if keep_logits else "recomputed",
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
             flops_per_token=flops, mfu=tps * flops / peak if peak else math.nan,
-            peak_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan))
+            peak_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan)
+
+    for accum in a.accum:
+        # The accumulated fp32 gradients stay resident through the next micro-batches (22 GiB at 6.0B parameters):
+        # where that no longer fits, the row is tried again with the loss recomputing its logits. (The retry is
+        # outside the `except`: its traceback holds the failed step's tensors.)
+        for keep_logits in (1 << 30, 0):
+            try:
+                rows.append(timed(accum, keep_logits))
+                break
+            except torch.OutOfMemoryError:
+                pass
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            print(f"  {accum} micro-batches: out of memory with the logits "
+                  f"{'kept' if keep_logits else 'recomputed'}", flush=True)
+        else:
+            continue
+        print("  " + _row(rows[-1]), flush=True)
     if a.profile and device.type == "cuda":
         from kernel_profile import profile_kernels
-        profile_kernels(lambda: (step(1), sync()), 1, "profile, one training step (one micro-batch)", top=40)
+        profile_kernels(lambda: (step(1), sync()), 1, "profile, one training step (one micro-batch)", top=70)
     return rows
+
+
+_HEADER = ("| model | params | active | device | [accum x] B x T | logits | compiled | step ms | tokens/s | TFLOP/s | "
+           "MFU | peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _row(r: dict) -> str:
+    return (f"| {r['model']} | {_n(r['params'])} | {_n(r['active'])} | {r['device']} | {r['shape']} | {r['logits']} | "
+            f"{'yes' if r['compiled'] else 'no'} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.1f} | "
+            f"{r['mfu']:.1%} | {r['peak_gb']:.1f} |")
 
 
 def _n(x: float) -> str:
@@ -135,6 +178,11 @@ def main():
                     help="default: on for CUDA, off for CPU")
     ap.add_argument("--compile-scope", default="layers", choices=["layers", "model"],
                     help="layers: kimi.compile_layers (one graph per distinct layer); model: one fullgraph")
+    ap.add_argument("--cast", default="compiled", choices=["compiled", "eager"],
+                    help="compile scope 'layers': the weight casts as compiled calls (train.compiled_cast, train.py's "
+                         "way) or eager")
+    ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                    help="fp32 matmuls on TF32 tensor cores (train.py's --tf32)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="then print the per-kernel GPU time of one step (CUDA)")
@@ -148,15 +196,12 @@ def main():
         a.layers = a.layers or 4
         a.experts = a.experts or 8
     rows = bench(a)
+    if not rows:
+        sys.exit("no configuration fitted in memory")
     print(f"\nFLOPs per token {rows[0]['flops_per_token'] / 1e9:.3g} G; warm-up (compile) {rows[0]['warm_s']:.0f} s")
-    print("| model | params | active | device | [accum x] B x T | compiled | step ms | tokens/s | TFLOP/s | MFU | "
-          "peak GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(_HEADER)
     for r in rows:
-        print(f"| {r['model']} | {_n(r['params'])} | {_n(r['active'])} | {r['device']} | {r['shape']} | "
-              f"{'yes' if r['compiled'] else 'no'} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.1f} | "
-              f"{r['mfu']:.1%} | {r['peak_gb']:.1f} |")
-
+        print(_row(r))
 
 if __name__ == "__main__":
     main()
