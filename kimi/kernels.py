@@ -152,7 +152,7 @@ if triton is not None:
 
     @triton.jit
     def _delta_states_fwd_kernel(u_ptr, w_ptr, k_ptr, d_ptr, s0_ptr, h_ptr, U_ptr, sN_ptr, N, C, K, V,
-                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
         # one program: one row r, one block of BV state columns (the columns never mix), all K rows of the state,
         # every chunk in order; the state stays in registers between chunks
         r = tl.program_id(0).to(tl.int64)
@@ -163,16 +163,16 @@ if triton is not None:
             tl.store(h_ptr + rn * K * V + kv, S, mask=m_kv)
             w = tl.load(w_ptr + rn * C * K + ck, mask=m_ck, other=0.0)
             u = tl.load(u_ptr + rn * C * V + cv, mask=m_cv, other=0.0)
-            U = u - tl.dot(w, S, input_precision="ieee")
+            U = u - tl.dot(w, S, input_precision=PREC)
             tl.store(U_ptr + rn * C * V + cv, U, mask=m_cv)
             kt = tl.load(k_ptr + rn * C * K + ck, mask=m_ck, other=0.0)
             dn = tl.load(d_ptr + rn * K + kk, mask=kk < K, other=0.0)
-            S = dn[:, None] * S + tl.dot(tl.trans(kt), U, input_precision="ieee")
+            S = dn[:, None] * S + tl.dot(tl.trans(kt), U, input_precision=PREC)
         tl.store(sN_ptr + r * K * V + kv, S, mask=m_kv)
 
     @triton.jit
     def _delta_states_bwd_kernel(w_ptr, k_ptr, d_ptr, dh_ptr, dUx_ptr, dsN_ptr, dU_ptr, L_ptr, ds0_ptr, N, C, K, V,
-                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
         # the same tiling, chunks in reverse; L is the gradient of the state entering the next chunk
         r = tl.program_id(0).to(tl.int64)
         kk, kv, cv, ck, m_kv, m_cv, m_ck = _delta_tiles(C, K, V, BC, BK, BV)
@@ -180,13 +180,13 @@ if triton is not None:
         for i in range(N):
             rn = r * N + (N - 1 - i)
             kt = tl.load(k_ptr + rn * C * K + ck, mask=m_ck, other=0.0)
-            dU = tl.load(dUx_ptr + rn * C * V + cv, mask=m_cv, other=0.0) + tl.dot(kt, L, input_precision="ieee")
+            dU = tl.load(dUx_ptr + rn * C * V + cv, mask=m_cv, other=0.0) + tl.dot(kt, L, input_precision=PREC)
             tl.store(dU_ptr + rn * C * V + cv, dU, mask=m_cv)
             tl.store(L_ptr + rn * K * V + kv, L, mask=m_kv)
             w = tl.load(w_ptr + rn * C * K + ck, mask=m_ck, other=0.0)
             dn = tl.load(d_ptr + rn * K + kk, mask=kk < K, other=0.0)
             dh = tl.load(dh_ptr + rn * K * V + kv, mask=m_kv, other=0.0)
-            L = dh + dn[:, None] * L - tl.dot(tl.trans(w), dU, input_precision="ieee")
+            L = dh + dn[:, None] * L - tl.dot(tl.trans(w), dU, input_precision=PREC)
         tl.store(ds0_ptr + r * K * V + kv, L, mask=m_kv)
 
 
@@ -199,14 +199,18 @@ if triton is not None:
     _delta_bwd_tuned = triton.autotune(configs=_DELTA_CONFIGS, key=["C", "K", "V"])(_delta_states_bwd_kernel)
 
 
-def _launch_delta(kernel, tuned, R: int, C: int, K: int, V: int, block_v: int | None, *args):
+def _launch_delta(kernel, tuned, R: int, C: int, K: int, V: int, block_v: int | None, tf32: bool | None, *args):
     """Run a delta_states kernel over (rows, column blocks): autotuned on a GPU unless `block_v` is given; fixed
-    blocks (32 columns, 4 warps) under the interpreter."""
+    blocks (32 columns, 4 warps) under the interpreter. The dots in TF32 when `tf32` (None: when torch's float32
+    matmul precision is not "highest", i.e. when fp32 matmuls run in TF32 too), else in IEEE fp32."""
     BC, BK, BV = _delta_blocks(C, K, V, block_v)
+    if tf32 is None:
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+    prec = "tf32" if tf32 else "ieee"
     if block_v is None and not interpreted():
-        tuned[lambda meta: (R, triton.cdiv(V, meta["BV"]))](*args, C, K, V, BC=BC, BK=BK)
+        tuned[lambda meta: (R, triton.cdiv(V, meta["BV"]))](*args, C, K, V, BC=BC, BK=BK, PREC=prec)
     else:
-        kernel[(R, triton.cdiv(V, BV))](*args, C, K, V, BC=BC, BK=BK, BV=BV, num_warps=4)
+        kernel[(R, triton.cdiv(V, BV))](*args, C, K, V, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=4)
 
 
 def _delta_blocks(C: int, K: int, V: int, block_v: int | None) -> tuple[int, int, int]:
@@ -228,11 +232,12 @@ def _check_delta(name: str, tensors: dict[str, Tensor]):
                            f"{ {n: str(t.device) for n, t in tensors.items()} }")
 
 
-def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *,
-                 block_v: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *, block_v: int | None = None,
+                 tf32: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The Triton kernel of `delta_states_reference` (same contract, float32 only): one launch for all chunks,
     programs over (rows, state column blocks), each carrying its block of the state through the chunks in
-    registers. fp32 dots in IEEE precision. `block_v` fixes the column block (else autotuned on a GPU)."""
+    registers. fp32 dots, in TF32 when `tf32` (default: as torch's fp32 matmuls, `_launch_delta`), else IEEE; the
+    state and the sums stay fp32 either way. `block_v` fixes the column block (else autotuned on a GPU)."""
     _check_delta("delta_states", dict(u=u, w=w, k=k, d=d, s0=s0))
     R, N, C, V = u.shape
     K = w.shape[-1]
@@ -240,13 +245,13 @@ def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *,
     u, w, k, d, s0 = (t.contiguous() for t in (u, w, k, d, s0))
     hs, U, sN = u.new_empty(R, N, K, V), torch.empty_like(u), s0.new_empty(R, K, V)
     if R:
-        _launch_delta(_delta_states_fwd_kernel, _delta_fwd_tuned, R, C, K, V, block_v,
+        _launch_delta(_delta_states_fwd_kernel, _delta_fwd_tuned, R, C, K, V, block_v, tf32,
                       u, w, k, d, s0, hs, U, sN, N)
     return hs, U, sN
 
 
 def delta_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor, dsN: Tensor, *,
-                     block_v: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     block_v: int | None = None, tf32: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The sequential part of `delta_states`' backward, chunks in reverse (first order: no double backward).
     dh [R, N, K, V], dU_in [R, N, C, V] and dsN [R, K, V] are the gradients reaching S_n, U_n and S_N from outside.
     With Λ_N = dsN:
@@ -262,6 +267,6 @@ def delta_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor,
     w, k, d, dh, dU_in, dsN = (t.contiguous() for t in (w, k, d, dh, dU_in, dsN))
     dU, lam, ds0 = torch.empty_like(dU_in), torch.empty_like(dh), torch.empty_like(dsN)
     if R:
-        _launch_delta(_delta_states_bwd_kernel, _delta_bwd_tuned, R, C, K, V, block_v,
+        _launch_delta(_delta_states_bwd_kernel, _delta_bwd_tuned, R, C, K, V, block_v, tf32,
                       w, k, d, dh, dU_in, dsN, dU, lam, ds0, N)
     return dU, lam, ds0

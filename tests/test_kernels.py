@@ -120,6 +120,29 @@ def test_kda_states_op_gradients(used):
         assert rel_err(g.double().cpu(), r) < 1e-5, name
 
 
+def test_delta_states_tf32_dots():
+    """With TF32 dots (what training on a GPU uses: its fp32 matmuls run in TF32 too) the state pass still tracks
+    the float64 loop at TF32's precision (inputs rounded to 10 mantissa bits, sums in fp32), forward and backward
+    passes; by default the kernels follow torch's float32 matmul precision. (Under the interpreter the dots are
+    full fp32 whatever the precision asked.)"""
+    x = _delta_inputs(2, 8, 64, 128, 64)
+    xs = [t.float().to(DEVICE) for t in x]
+    ref = kernels.delta_states_reference(*x)
+    got = kernels.delta_states(*xs, tf32=True)
+    assert all(rel_err(g.double().cpu(), r) < 5e-3 for g, r in zip(got, ref))
+    dh, dU, dsN = (torch.randn_like(t) for t in got)
+    bwd = [kernels.delta_states_bwd(xs[1], xs[2], xs[3], dh, dU, dsN, tf32=t) for t in (True, False)]
+    assert all(rel_err(a.double(), b.double()) < 5e-3 for a, b in zip(*bwd))
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision, tf32 in (("high", True), ("highest", False)):
+            torch.set_float32_matmul_precision(precision)
+            default, chosen = kernels.delta_states(*xs), kernels.delta_states(*xs, tf32=tf32)
+            assert all(torch.equal(a, b) for a, b in zip(default, chosen))
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def test_delta_states_rejects_what_it_cannot_run():
     x = _delta_inputs(1, 2, 16, 16, 16)
     with pytest.raises(ValueError, match="float32 tensors expected"):
