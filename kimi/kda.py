@@ -308,12 +308,14 @@ def kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
     Aqk = torch.where(causal, _intra_chunk(q, k, gs, R, E_diag), 0.0) * scale
     L = torch.where(strict, _intra_chunk(k, k, gs, R, E_diag), 0.0) * beta[..., None]
 
-    # UT transform: one unit-lower-triangular solve gives w and u together.
+    # UT transform: (I + L)^{-1} by one unit-lower-triangular solve against I (C columns), then one batched matmul
+    # gives w and u together. Solving against [βK | βV] directly (K + V = 256 columns) left cuBLAS's batched
+    # triangular solve, which does not use tensor cores, at 16.5 ms of a K3.1-width training step on the H200.
     e_first = torch.where(first, gam, float("-inf")).exp()            # e^{Γ} on the first segment, else 0
     rhs = torch.cat([beta[..., None] * k * e_first, beta[..., None] * v], -1)
     eye = torch.eye(C, dtype=dt, device=dev)
-    wu = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)
-    w, u = wu.split([K, V], -1)
+    inv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    w, u = (inv @ rhs).split([K, V], -1)
     q_s0 = scale * q * e_first                                        # the output's S_0 term, first segment only
     k_out = k * torch.where(last, suffix, float("-inf")).exp()        # keys → outgoing state, last segment only
     decay_s0 = torch.where(carry[..., None], gam[..., -1, :], float("-inf")).exp()  # [B, H, N, K]
