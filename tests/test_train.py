@@ -320,7 +320,7 @@ def test_lr_schedules():
 
 def test_non_finite_loss_is_skipped_then_stops(setup, tmp_path, monkeypatch):
     _, ckpt, corpus = setup
-    monkeypatch.setattr(train, "token_loss_sum", lambda h, head, labels: h.sum() * float("nan"))
+    monkeypatch.setattr(train, "token_loss_sum", lambda h, head, labels, **kw: h.sum() * float("nan"))
     _, before = kimi.load_checkpoint(ckpt)
     with pytest.warns(UserWarning, match="non-finite"), pytest.raises(train.TrainingDiverged, match="2 consecutive"):
         train.train(config(ckpt, corpus, tmp_path / "nan", max_bad_steps=2))
