@@ -120,6 +120,26 @@ def test_kda_states_op_gradients(used):
         assert rel_err(g.double().cpu(), r) < 1e-5, name
 
 
+def test_delta_states_reads_column_slices_in_place():
+    """KDA hands the state pass w and u as column slices of one [R, N, C, K + V] tensor: the kernels read them with
+    their row strides (no copy) and give the reference's result, forward and backward; a layout whose rows are not
+    evenly spaced is copied first."""
+    R, N, C, K, V = 3, 4, 16, 24, 40
+    u64, w64, k64, d64, s064 = _delta_inputs(R, N, C, K, V)
+    wu = torch.cat([w64, u64], -1).float().to(DEVICE)
+    w, u = wu.split([K, V], -1)
+    assert not w.is_contiguous() and kernels._row_strided(w) is w and kernels._row_strided(u) is u
+    assert kernels._row_strided(w.transpose(0, 1)).is_contiguous()
+    k, d, s0 = (t.float().to(DEVICE) for t in (k64, d64, s064))
+    ref = kernels.delta_states_reference(u64, w64, k64, d64, s064)
+    for g, r in zip(kernels.delta_states(u, w, k, d, s0), ref):
+        assert rel_err(g.double().cpu(), r) < 1e-5
+    dh, dU, dsN = (torch.randn_like(t) for t in kernels.delta_states(u.contiguous(), w.contiguous(), k, d, s0))
+    strided = kernels.delta_states_bwd(w, k, d, dh, dU, dsN)
+    dense = kernels.delta_states_bwd(w.contiguous(), k, d, dh, dU, dsN)
+    assert all(torch.equal(a, b) for a, b in zip(strided, dense))
+
+
 def test_delta_states_tf32_dots():
     """With TF32 dots (what training on a GPU uses: its fp32 matmuls run in TF32 too) the state pass still tracks
     the float64 loop at TF32's precision (inputs rounded to 10 mantissa bits, sums in fp32), forward and backward
