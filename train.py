@@ -147,8 +147,9 @@ class TrainConfig:
     moe: Literal["dense", "grouped"] = "grouped"
     mla_form: Literal["expanded", "absorbed"] = "expanded"
     tf32: bool = True
-    """GPU: fp32 matmuls (the KDA chunk algebra's products, in fp32 for bf16 inputs) run on TF32 tensor cores
-    (`torch.set_float32_matmul_precision("high")`); --no-tf32 keeps them full fp32."""
+    """GPU: fp32 matmuls run on TF32 tensor cores (`torch.set_float32_matmul_precision("high")`): the KDA chunk
+    algebra and its Triton state pass (fp32 for bf16 activations; inputs rounded to 10 mantissa bits, sums in fp32)
+    and the indexer's scores (bf16 values, exact in TF32). --no-tf32 keeps them full fp32."""
 
     log_every: int = 10
     eval_every: int = 50
@@ -524,7 +525,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         for i, v0 in enumerate(range(0, w.shape[0], ctx.block)):
             wb = w[v0:v0 + ctx.block]
             dz = block_grad(kept[i] if kept else h @ wb.T, lse, labels, v0, row_scale)
-            if dw is not None:   # into dw's rows (assigning the product copied it: 10 copies, 5.2 ms on the H200)
+            if dw is not None:   # into dw's rows: assigning the product copied it (10 copies, 5.2 ms, on the H200)
                 torch.mm(dz.T, h, out=dw[v0:v0 + ctx.block])
             if dh is not None:
                 dh += dz @ wb
