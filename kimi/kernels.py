@@ -202,22 +202,31 @@ if triton is not None:
     # outputs, so the tuning reruns are harmless): more, narrower blocks give more programs, wider ones fewer loads
     # of the key tiles; which wins depends on the register pressure of the [K, BV] state.
     _DELTA_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw) for bv in (16, 32, 64) for nw in (4, 8)]
-    _delta_fwd_tuned = triton.autotune(configs=_DELTA_CONFIGS, key=["C", "K", "V"])(_delta_states_fwd_kernel)
-    _delta_bwd_tuned = triton.autotune(configs=_DELTA_CONFIGS, key=["C", "K", "V"])(_delta_states_bwd_kernel)
+    _delta_fwd_tuned = triton.autotune(configs=_DELTA_CONFIGS, key=["C", "K", "V", "PREC"])(_delta_states_fwd_kernel)
+    _delta_bwd_tuned = triton.autotune(configs=_DELTA_CONFIGS, key=["C", "K", "V", "PREC"])(_delta_states_bwd_kernel)
 
 
 def _launch_delta(kernel, tuned, R: int, C: int, K: int, V: int, block_v: int | None, tf32: bool | None, *args):
     """Run a delta_states kernel over (rows, column blocks): autotuned on a GPU unless `block_v` is given; fixed
     blocks (32 columns, 4 warps) under the interpreter. The dots in TF32 when `tf32` (None: when torch's float32
-    matmul precision is not "highest", i.e. when fp32 matmuls run in TF32 too), else in IEEE fp32."""
+    matmul precision makes fp32 matmuls run in TF32 too), else in IEEE fp32."""
     BC, BK, BV = _delta_blocks(C, K, V, block_v)
     if tf32 is None:
-        tf32 = torch.get_float32_matmul_precision() != "highest"
+        tf32 = _fp32_matmuls_in_tf32()
     prec = "tf32" if tf32 else "ieee"
     if block_v is None and not interpreted():
         tuned[lambda meta: (R, triton.cdiv(V, meta["BV"]))](*args, C, K, V, BC=BC, BK=BK, PREC=prec)
     else:
         kernel[(R, triton.cdiv(V, BV))](*args, C, K, V, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=4)
+
+
+def _fp32_matmuls_in_tf32() -> bool:
+    """Whether torch runs fp32 CUDA matmuls in TF32. The new-API attribute (torch >= 2.10) follows the legacy
+    `set_float32_matmul_precision` too, while the legacy getter raises once anyone used the new API."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 def _delta_blocks(C: int, K: int, V: int, block_v: int | None) -> tuple[int, int, int]:
