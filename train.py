@@ -149,7 +149,8 @@ class TrainConfig:
     tf32: bool = True
     """GPU: fp32 matmuls run on TF32 tensor cores (`torch.set_float32_matmul_precision("high")`): the KDA chunk
     algebra and its Triton state pass (fp32 for bf16 activations; inputs rounded to 10 mantissa bits, sums in fp32)
-    and the indexer's scores (bf16 values, exact in TF32). --no-tf32 keeps them full fp32."""
+    and the indexer's scores (its q·k products from bf16 values are exact in TF32; the head-weighted sum over ReLU'd
+    fp32 products is rounded, so near-ties in the frozen top-k may flip). --no-tf32 keeps them full fp32."""
 
     log_every: int = 10
     eval_every: int = 50
@@ -403,8 +404,6 @@ def compiled_cast(**compile_kwargs):
     `.grad`, or added to the existing one, in one generated kernel as soon as it exists (on the H200: 10.9 ms a
     micro-batch for all 92 weights). Leaves that are not trainable leaves (frozen weights, LoRA-merged weights) get
     a plain cast. `compile_kwargs` go to `torch.compile` (e.g. a test's `backend="aot_eager"`)."""
-    # Graphs: one per rank of the flattened gradient's base (views are guarded on it), size-1 leaves: a few.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     opts = kimi.compile_options(**{"fullgraph": True, "dynamic": True, **compile_kwargs})
     kernels = (torch.compile(_upcast, **opts), torch.compile(_accumulate, **opts))
     warm = set()
@@ -439,16 +438,20 @@ def _accumulate(acc: Tensor, g: Tensor) -> None:
 class _MasterCast(torch.autograd.Function):
     """A trainable leaf p in the compute dtype; backward puts the gradient into p.grad itself, in p's dtype: a new
     tensor when p.grad is None (`kernels[0]`, upcast), else added in place (`kernels[1]`), as AccumulateGrad would,
-    and passes nothing on (p is a leaf). `.backward()` accumulates as usual; `torch.autograd.grad(..., p)` would
-    see no gradient, so only train.py's step uses this."""
+    and passes nothing on (p is a leaf). A cast that gets no gradient leaves p.grad as it is (None stays None, as
+    eagerly). `.backward()` accumulates as usual; `torch.autograd.grad(loss, p)` raises that p was not used in the
+    graph (and still writes p.grad), so only train.py's step uses this."""
 
     @staticmethod
     def forward(ctx, p: Tensor, dtype: torch.dtype, kernels) -> Tensor:
         ctx.p, ctx.kernels = p, kernels
+        ctx.set_materialize_grads(False)
         return p.to(dtype)
 
     @staticmethod
-    def backward(ctx, g: Tensor):
+    def backward(ctx, g: Tensor | None):
+        if g is None:
+            return None, None, None
         p, (upcast, accumulate) = ctx.p, ctx.kernels
         flat = g.reshape(-1)   # flat: Dynamo keeps sizes symbolic (one graph for all shapes)
         if p.grad is None:
@@ -547,7 +550,8 @@ def token_loss_sum(h: Tensor, head: Tensor, labels: Tensor, *, block_logits: int
             raise ValueError(f"label {int(labels[bad][0])} at position {int(bad.nonzero()[0])} of the micro-batch "
                              f"is outside the vocabulary [0, {V}) (and is not IGNORE={IGNORE})")
     block = max(1, min(V, block_logits // max(1, h.shape[0])))
-    return _HeadCrossEntropy.apply(h, head, labels, block, h.shape[0] * V <= keep_logits)
+    backward = torch.is_grad_enabled() and (h.requires_grad or head.requires_grad)   # evaluation keeps nothing
+    return _HeadCrossEntropy.apply(h, head, labels, block, backward and h.shape[0] * V <= keep_logits)
 
 
 def hidden_states(params, adapters, input_ids: Tensor, document_ids: Tensor, *, cfg: ModelConfig,

@@ -297,6 +297,23 @@ def test_compiled_cast_equals_eager_cast():
         assert g is None or (grads[0][k].dtype == torch.float32 and torch.equal(g, grads[0][k]))
     assert any(g is None for g in grads[1].values()) and sum(g is not None for g in grads[1].values()) > 10
 
+    class NoGrad(torch.autograd.Function):   # a consumer that passes no gradient to its input
+        @staticmethod
+        def forward(ctx, x):
+            return x.float().sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            return None
+
+    path = next(k for k in want if k not in fp32 and got[k].requires_grad)
+    for cast in (compiled, train.cast_tree):     # the weight keeps no gradient (None), not zeros
+        tree = dict(tree_items(cast(params, torch.bfloat16, fp32)))
+        (NoGrad.apply(tree[path]) + sum(t.float().sum() for k, t in tree.items() if k != path)).backward()
+        assert dict(tree_items(params))[path].grad is None
+        for _, v in tree_items(params):
+            v.grad = None
+
 
 def test_auto_kda_choice():
     """--kda auto: the opaque core when compiling on a CPU (compile time), the traced one eagerly; on a GPU the
