@@ -113,7 +113,8 @@ def bench(a) -> list[dict]:
             model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
                   f"kda={a.kda} cast={a.cast} tf32={'on' if a.tf32 else 'off'}",
             params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
-            shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}", logits="kept" if keep_logits else "recomputed",
+            shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}",
+            logits="kept" if B * T * V <= keep_logits else "recomputed",
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
             flops_per_token=flops, mfu=tps * flops / peak if peak else math.nan,
@@ -123,19 +124,24 @@ def bench(a) -> list[dict]:
         # The accumulated fp32 gradients stay resident through the next micro-batches (22 GiB at 6.0B parameters):
         # where that no longer fits, the row is tried again with the loss recomputing its logits. (The retry is
         # outside the `except`: its traceback holds the failed step's tensors.)
+        row = None
         for keep_logits in (1 << 30, 0):
             try:
-                rows.append(timed(accum, keep_logits))
-                break
+                row = timed(accum, keep_logits)
             except torch.OutOfMemoryError:
                 pass
+            if row is not None:
+                break
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            print(f"  {accum} micro-batches: out of memory with the logits "
-                  f"{'kept' if keep_logits else 'recomputed'}", flush=True)
-        else:
-            continue
-        print("  " + _row(rows[-1]), flush=True)
+            kept = B * T * V <= keep_logits
+            print(f"  {accum} micro-batches: out of memory with the logits {'kept' if kept else 'recomputed'}",
+                  flush=True)
+            if not kept:
+                break
+        if row is not None:
+            rows.append(row)
+            print("  " + _row(row), flush=True)
     if a.profile and device.type == "cuda":
         from kernel_profile import profile_kernels
         profile_kernels(lambda: (step(1), sync()), 1, "profile, one training step (one micro-batch)", top=70)
@@ -202,6 +208,7 @@ def main():
     print(_HEADER)
     for r in rows:
         print(_row(r))
+
 
 if __name__ == "__main__":
     main()
