@@ -4,6 +4,7 @@ both, and the training tokens/s of each (median over steps 3 on, so compilation 
 
     python tests/bench/fsdp.py                                          # 2 GPUs: medium preset, 20 steps
     python tests/bench/fsdp.py --device cpu --model tiny --steps 3 --seq-len 32 --batch-size 4 --micro-batch-size 2
+    python tests/bench/fsdp.py --compile off --dtype float32 --no-tf32         # 2 GPUs, parity to rounding
 
 The single process takes the global batch in batch_size / micro_batch_size micro-batches; each of the N processes
 takes batch_size / (micro_batch_size · N). With bf16 compute the two runs sum in different orders, so the losses
@@ -29,7 +30,7 @@ def run(out: Path, nproc: int, a) -> list[dict]:
             "--lr", str(a.lr), "--warmup-steps", "2", "--batch-size", str(a.batch_size),
             "--micro-batch-size", str(a.micro_batch_size), "--data.seq-len", str(a.seq_len),
             "--log-every", "1", "--eval-every", "0", "--ckpt-every", "0", "--no-export", "--device", a.device,
-            "--compile", a.compile]
+            "--compile", a.compile, "--dtype", a.dtype, "--tf32" if a.tf32 else "--no-tf32"]
     cmd = [sys.executable, *args] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -51,6 +52,10 @@ def main():
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="train.py's --compile")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="train.py's compute dtype: float32 with --no-tf32 makes the runs agree to rounding for many "
+                         "steps (with bf16 they part after a few steps at a high learning rate)")
+    ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True, help="train.py's --tf32")
     a = ap.parse_args()
     if a.batch_size % (a.micro_batch_size * a.nproc):
         ap.error(f"--batch-size {a.batch_size} must be a multiple of --micro-batch-size x --nproc "
