@@ -315,6 +315,29 @@ def test_compiled_cast_equals_eager_cast():
             v.grad = None
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_clipped_step_equals_clip_then_step(fused):
+    """`clipped_step` against clip_grad_norm_ + AdamW.step over two steps whose gradients differ 100x in size (so
+    Adam sees whether they were clipped), with clipping active (norms ~450 and ~4.5), inactive (norms < 1) and off
+    (max_norm 0): a fused AdamW (here on the CPU) takes the clipping as its grad_scale (equal to rounding), the
+    unfused one is scaled first (bit for bit)."""
+    for scales, max_norm in (((10.0, 0.1), 1.0), ((1e-3, 1e-5), 1.0), ((10.0, 0.1), 0.0)):
+        ref = [torch.randn(64, 32, requires_grad=True) for _ in range(3)]
+        got = [p.detach().clone().requires_grad_() for p in ref]
+        opts = [torch.optim.AdamW(ps, lr=1e-2, fused=fused) for ps in (ref, got)]
+        for scale in scales:
+            for a, b in zip(ref, got):
+                a.grad = torch.randn_like(a) * scale
+                b.grad = a.grad.clone()
+            if max_norm:
+                torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=True)
+            opts[0].step()
+            train.clipped_step(opts[1], got, torch.nn.utils.get_total_norm([p.grad for p in got]), max_norm)
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b) if not fused else rel_err(b, a) < 1e-6
+        assert not hasattr(opts[1], "grad_scale") and not hasattr(opts[1], "found_inf")
+
+
 def test_auto_kda_choice():
     """--kda auto: the opaque core when compiling on a CPU (compile time), the traced one eagerly; on a GPU the
     Triton state pass when Triton is there."""

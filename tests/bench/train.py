@@ -74,8 +74,8 @@ def bench(a) -> list[dict]:
             s = fn(params, {}, ids, labels, doc, cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths,
                    lora_scale=1.0, keep_logits=keep_logits)
             (s / (accum * B * T)).backward()
-        torch.nn.utils.clip_grad_norm_(list(named.values()), 1.0, foreach=True)
-        opt.step()
+        grads = list(named.values())
+        train.clipped_step(opt, grads, torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True), 1.0)
         opt.zero_grad(set_to_none=True)
 
     def sync():
