@@ -74,7 +74,7 @@ def bench(a) -> list[dict]:
             s = fn(params, {}, ids, labels, doc, cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths,
                    lora_scale=1.0, keep_logits=keep_logits)
             (s / (accum * B * T)).backward()
-        grads = list(named.values())
+        grads = [p for p in named.values() if p.grad is not None]
         train.clipped_step(opt, grads, torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True), 1.0)
         opt.zero_grad(set_to_none=True)
 
