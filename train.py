@@ -405,7 +405,7 @@ def compiled_cast(**compile_kwargs):
     micro-batch for all 92 weights). Leaves that are not trainable leaves (frozen weights, LoRA-merged weights) get
     a plain cast. `compile_kwargs` go to `torch.compile` (e.g. a test's `backend="aot_eager"`)."""
     opts = kimi.compile_options(**{"fullgraph": True, "dynamic": True, **compile_kwargs})
-    kernels = (torch.compile(_upcast, **opts), torch.compile(_accumulate, **opts))
+    upcast, accumulate = torch.compile(_upcast, **opts), torch.compile(_accumulate, **opts)
     warm = set()
 
     def cast(tree, dtype: torch.dtype, fp32_paths: frozenset[str], prefix: str = ""):
@@ -420,9 +420,9 @@ def compiled_cast(**compile_kwargs):
                 # size from the first example's size (compiled on 2 elements, the upcast took 1.8 s a step).
                 with torch.no_grad():
                     x = torch.zeros(1 << 24, dtype=dtype, device=p.device)
-                    kernels[1](kernels[0](x, p.dtype), x)
+                    accumulate(upcast(x, p.dtype), x)
                 warm.add((p.device, p.dtype, dtype))
-            return _MasterCast.apply(p, dtype, kernels)
+            return _MasterCast.apply(p, dtype, (upcast, accumulate))
         return tree_map(leaf, tree)
     return cast
 
@@ -437,7 +437,7 @@ def _accumulate(acc: Tensor, g: Tensor) -> None:
 
 class _MasterCast(torch.autograd.Function):
     """A trainable leaf p in the compute dtype; backward puts the gradient into p.grad itself, in p's dtype: a new
-    tensor when p.grad is None (`kernels[0]`, upcast), else added in place (`kernels[1]`), as AccumulateGrad would,
+    tensor when p.grad is None (`kernels` = (upcast, accumulate)), else added in place, as AccumulateGrad would,
     and passes nothing on (p is a leaf). A cast that gets no gradient leaves p.grad as it is (None stays None, as
     eagerly). `.backward()` accumulates as usual; `torch.autograd.grad(loss, p)` raises that p was not used in the
     graph (and still writes p.grad), so only train.py's step uses this."""
@@ -575,14 +575,15 @@ def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: 
     return token_loss_sum(h, head, labels, keep_logits=keep_logits)
 
 
-def compiled_loss(scope: str):
-    """`loss_sum` with the model compiled: per distinct layer (`scope="layers"`, with the weight casts one more
-    graph; embedding and output mix eager) or everything up to the head as one fullgraph ("model"); the loss stays
-    eager either way."""
+def compiled_loss(scope: str, *, master_cast: bool = True):
+    """`loss_sum` with the model compiled: per distinct layer (`scope="layers"`; embedding and output mix eager, the
+    weight casts `compiled_cast`'s, or `cast_tree`'s without `master_cast`) or everything up to the head as one
+    fullgraph ("model"); the loss stays eager either way."""
     if scope == "model":
         hidden = torch.compile(hidden_states, **kimi.compile_options(fullgraph=True))
     else:
-        hidden = functools.partial(hidden_states, forward=kimi.compile_layers(fullgraph=True), cast=compiled_cast())
+        hidden = functools.partial(hidden_states, forward=kimi.compile_layers(fullgraph=True),
+                                   cast=compiled_cast() if master_cast else cast_tree)
     return functools.partial(loss_sum, hidden=hidden)
 
 

@@ -7,7 +7,8 @@
 #   bash tests/bench/gpu_all.sh compile-triton             # the same with the KDA state pass in Triton
 #   bash tests/bench/gpu_all.sh train                      # compiled training step at K3.1 Pro widths, 1 x 4096
 #                                                          # (1 and 4 micro-batches per optimizer step), profiled
-#   bash tests/bench/gpu_all.sh train-2048                 # the same at 1 x 2048 (the SFT recipe's rows), 1 and 8 micro-batches
+#   bash tests/bench/gpu_all.sh train-2048                 # the same at 1 x 2048 (the SFT recipe's rows), 1 and 8
+#                                                          # micro-batches
 #   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
 #   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles: tight in 580 s)

@@ -28,7 +28,6 @@ with them recomputed (the `logits` column says which). H200 results: README.md.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import statistics
 import sys
@@ -60,10 +59,7 @@ def bench(a) -> list[dict]:
     backend = kimi.Backend(attn=a.attn, kda=a.kda, moe="grouped", mla_form=a.mla_form)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if a.tf32 else "highest")
-    fn = train.compiled_loss(a.compile_scope) if use_compile else train.loss_sum
-    if use_compile and a.compile_scope == "layers" and a.cast == "eager":
-        fn = functools.partial(train.loss_sum, hidden=functools.partial(
-            train.hidden_states, forward=kimi.compile_layers(fullgraph=True)))
+    fn = train.compiled_loss(a.compile_scope, master_cast=a.cast == "compiled") if use_compile else train.loss_sum
     V, B, T = cfg.vocab_size, a.batch, a.seq
     ids = torch.randint(0, V, (B, T), device=device)
     labels = torch.roll(ids, -1, dims=1)
