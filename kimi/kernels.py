@@ -200,24 +200,48 @@ if triton is not None:
 if triton is not None:
     # On a GPU the column block and warps are tuned on the first call per (C, K, V) (both kernels only write their
     # outputs, so the tuning reruns are harmless): more, narrower blocks give more programs, wider ones fewer loads
-    # of the key tiles; which wins depends on the register pressure of the [K, BV] state.
-    _DELTA_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw) for bv in (16, 32, 64) for nw in (4, 8)]
-    _delta_fwd_tuned = triton.autotune(configs=_DELTA_CONFIGS, key=["C", "K", "V", "PREC"])(_delta_states_fwd_kernel)
-    _delta_bwd_tuned = triton.autotune(configs=_DELTA_CONFIGS, key=["C", "K", "V", "PREC"])(_delta_states_bwd_kernel)
+    # of the key tiles; which wins depends on the register pressure of the [K, BV] state. With TF32 dots Triton
+    # 3.6 runs them as wgmma on the H200, staging the operands in shared memory: the forward's 32 and 64 column
+    # blocks need more than an SM's 227 KiB (the backward's 64 too), and its 16-column block with 8 warps faults
+    # (illegal memory access, at every shape tried), so TF32 is tuned over the configs that ran and matched the
+    # float64 loop there (`test_delta_states_every_tuned_config`).
+    def _delta_configs(blocks):
+        return [triton.Config({"BV": bv}, num_warps=nw) for bv, nw in blocks]
+
+    _ALL_BLOCKS = [(bv, nw) for bv in (16, 32, 64) for nw in (4, 8)]
+    _DELTA_BLOCKS = {
+        ("fwd", "ieee"): _ALL_BLOCKS, ("fwd", "tf32"): [(16, 4)],
+        ("bwd", "ieee"): _ALL_BLOCKS, ("bwd", "tf32"): [(16, 4), (16, 8), (32, 4), (32, 8)],
+    }
+    _DELTA_KERNELS = {"fwd": _delta_states_fwd_kernel, "bwd": _delta_states_bwd_kernel}
+    _DELTA_TUNED = {(which, prec): triton.autotune(configs=_delta_configs(blocks), key=["C", "K", "V"])(
+        _DELTA_KERNELS[which]) for (which, prec), blocks in _DELTA_BLOCKS.items()}
 
 
-def _launch_delta(kernel, tuned, R: int, C: int, K: int, V: int, block_v: int | None, tf32: bool | None, *args):
-    """Run a delta_states kernel over (rows, column blocks): autotuned on a GPU unless `block_v` is given; fixed
-    blocks (32 columns, 4 warps) under the interpreter. The dots in TF32 when `tf32` (None: when torch's float32
-    matmul precision makes fp32 matmuls run in TF32 too), else in IEEE fp32."""
+def _launch_delta(which: str, R: int, C: int, K: int, V: int, block_v: int | None, tf32: bool | None, *args):
+    """Run a delta_states kernel (`which`: "fwd" or "bwd") over (rows, column blocks): autotuned on a GPU unless
+    `block_v` is given; fixed blocks (32 columns, 4 warps) under the interpreter. The dots in TF32 when `tf32`
+    (None: when torch's float32 matmul precision makes fp32 matmuls run in TF32 too), else in IEEE fp32 (a
+    K3.1-width training step on the H200: 20.3 ms of the two kernels in IEEE, 10.6 ms in TF32 with the strided
+    reads). A given `block_v` must be one the precision runs with on a GPU (`_DELTA_BLOCKS`), also when
+    interpreted."""
     BC, BK, BV = _delta_blocks(C, K, V, block_v)
     if tf32 is None:
         tf32 = _fp32_matmuls_in_tf32()
     prec = "tf32" if tf32 else "ieee"
+    warps = 4
+    if block_v is not None:
+        fits = [nw for bv, nw in _DELTA_BLOCKS[which, prec] if bv == block_v]
+        if not fits:
+            raise ValueError(f"delta_states: block_v={block_v} does not run with {prec} dots on a GPU (Triton 3.6); "
+                             f"the {which} pass takes {sorted({bv for bv, _ in _DELTA_BLOCKS[which, prec]})}")
+        warps = fits[0]
     if block_v is None and not interpreted():
-        tuned[lambda meta: (R, triton.cdiv(V, meta["BV"]))](*args, C, K, V, BC=BC, BK=BK, PREC=prec)
+        _DELTA_TUNED[which, prec][lambda meta: (R, triton.cdiv(V, meta["BV"]))](*args, C, K, V, BC=BC, BK=BK,
+                                                                                 PREC=prec)
     else:
-        kernel[(R, triton.cdiv(V, BV))](*args, C, K, V, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=4)
+        _DELTA_KERNELS[which][(R, triton.cdiv(V, BV))](*args, C, K, V, BC=BC, BK=BK, BV=BV, PREC=prec,
+                                                       num_warps=warps)
 
 
 def _fp32_matmuls_in_tf32() -> bool:
@@ -262,7 +286,7 @@ def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *, bloc
     k, d, s0 = (t.contiguous() for t in (k, d, s0))
     hs, U, sN = u.new_empty(R, N, K, V), u.new_empty(R, N, C, V), s0.new_empty(R, K, V)
     if R:
-        _launch_delta(_delta_states_fwd_kernel, _delta_fwd_tuned, R, C, K, V, block_v, tf32,
+        _launch_delta("fwd", R, C, K, V, block_v, tf32,
                       u, w, k, d, s0, hs, U, sN, N, u.stride(1), u.stride(2), w.stride(1), w.stride(2))
     return hs, U, sN
 
@@ -270,8 +294,8 @@ def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *, bloc
 def _row_strided(t: Tensor) -> Tensor:
     """t [R, N, C, X] as the kernels read it: unit stride along X and R's stride N times N's (rows r·N + n evenly
     spaced); any C and N strides. KDA's w and u, column slices of one [.., C, K + V] tensor, pass as they are
-    (`.contiguous()` copied them; the H200 profile of a K3.1-width training step has 15 same-dtype copies, 6.2 ms,
-    which match these calls)."""
+    (`.contiguous()` copied them: 15 same-dtype copies, 6.2 ms, in the H200 profile of a K3.1-width training step,
+    gone since)."""
     ok = t.stride(-1) == 1 and (t.shape[0] <= 1 or t.shape[1] == 0 or t.stride(0) == t.shape[1] * t.stride(1))
     return t if ok else t.contiguous()
 
@@ -294,6 +318,6 @@ def delta_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor,
     k, d, dh, dU_in, dsN = (t.contiguous() for t in (k, d, dh, dU_in, dsN))
     dU, lam, ds0 = torch.empty_like(dU_in), torch.empty_like(dh), torch.empty_like(dsN)
     if R:
-        _launch_delta(_delta_states_bwd_kernel, _delta_bwd_tuned, R, C, K, V, block_v, tf32,
+        _launch_delta("bwd", R, C, K, V, block_v, tf32,
                       w, k, d, dh, dU_in, dsN, dU, lam, ds0, N, w.stride(1), w.stride(2))
     return dU, lam, ds0

@@ -7,6 +7,7 @@ import torch
 import kimi
 from helpers import rel_err, tiny
 from kimi import kernels, ops
+from kimi.kernels import triton
 from kimi.config import KDAConfig
 
 pytestmark = pytest.mark.skipif(kernels.triton is None, reason="triton is not installed")
@@ -165,6 +166,47 @@ def test_delta_states_tf32_dots():
         torch.set_float32_matmul_precision(before)
 
 
+def _delta_bwd_reference(w, k, d, dh, dU_in, dsN):
+    """`delta_states_bwd`'s recurrence as a float64 loop over chunks in reverse."""
+    L, dUs, lams = dsN, [], []
+    for n in reversed(range(w.shape[1])):
+        dU = dU_in[:, n] + k[:, n] @ L
+        dUs.append(dU)
+        lams.append(L)
+        L = dh[:, n] + d[:, n, :, None] * L - w[:, n].transpose(-1, -2) @ dU
+    return torch.stack(dUs[::-1], 1), torch.stack(lams[::-1], 1), L
+
+
+@pytest.mark.parametrize("prec", ["ieee", "tf32"])
+@pytest.mark.parametrize("which", ["fwd", "bwd"])
+def test_delta_states_every_tuned_config(which, prec):
+    """Every block shape the autotuner may pick, launched on its own, gives the float64 loop's result: a config
+    that faults or computes garbage never reaches a timing run only (on the H200 the forward's 16-column block with
+    8 warps read out of bounds with TF32 dots, which the autotuner timed among the rest). The release's C / K and a
+    V with two column blocks of the widest config on a GPU; small masked shapes under the interpreter."""
+    R, N, C, K, V = (2, 8, 64, 128, 128) if DEVICE == "cuda" else (2, 3, 16, 24, 40)
+    tol = 5e-3 if prec == "tf32" and DEVICE == "cuda" else 1e-5      # the interpreter's dots are full fp32
+    u, w, k, d, s0 = _delta_inputs(R, N, C, K, V)
+    grads = [torch.randn(*s, dtype=torch.float64) for s in ((R, N, K, V), (R, N, C, V), (R, K, V))]
+    ref = kernels.delta_states_reference(u, w, k, d, s0) if which == "fwd" else _delta_bwd_reference(w, k, d, *grads)
+    f32 = lambda *ts: [t.float().to(DEVICE) for t in ts]
+    BC, BK = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(K))
+    blocks = kernels._DELTA_BLOCKS[which, prec]
+    assert blocks and all((bv, nw) in kernels._ALL_BLOCKS for bv, nw in blocks)
+    for bv, nw in blocks:
+        outs = [torch.full_like(r, float("nan"), dtype=torch.float32, device=DEVICE) for r in ref]
+        if which == "fwd":
+            uu, ww, kk, dd, ss = f32(u, w, k, d, s0)
+            args = (uu, ww, kk, dd, ss, *outs, N, uu.stride(1), uu.stride(2), ww.stride(1), ww.stride(2))
+        else:
+            ww, kk, dd, dh, dU, dsN = f32(w, k, d, *grads)
+            args = (ww, kk, dd, dh, dU, dsN, *outs, N, ww.stride(1), ww.stride(2))
+        kernels._DELTA_KERNELS[which][(R, triton.cdiv(V, bv))](*args, C, K, V, BC=BC, BK=BK, BV=bv, PREC=prec,
+                                                               num_warps=nw)
+        for name, o, r in zip(("S_n", "U", "S_N") if which == "fwd" else ("dU", "lambda", "ds0"), outs, ref):
+            assert rel_err(o.double().cpu(), r) < tol, (bv, nw, name)
+
+
 def test_delta_states_rejects_what_it_cannot_run():
     x = _delta_inputs(1, 2, 16, 16, 16)
     with pytest.raises(ValueError, match="float32 tensors expected"):
@@ -180,6 +222,8 @@ def test_delta_states_block_v_and_devices_are_checked():
     assert all(rel_err(a, b) < 1e-6 for a, b in zip(ref, kernels.delta_states(u, w, k, d, s0)))
     with pytest.raises(ValueError, match="block_v=24 must be a power of two"):
         kernels.delta_states(u, w, k, d, s0, block_v=24)
+    with pytest.raises(ValueError, match=r"block_v=32 does not run with tf32 dots .* takes \[16\]"):
+        kernels.delta_states(u, w, k, d, s0, block_v=32, tf32=True)      # out of shared memory on the H200
     if DEVICE == "cuda":
         with pytest.raises(RuntimeError, match="on one CUDA device"):
             kernels.delta_states(u, w, k, d, s0.cpu())
