@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kimi  # noqa: E402
@@ -65,29 +66,32 @@ def bench(a) -> list[dict]:
     labels = torch.roll(ids, -1, dims=1)
     doc = torch.zeros_like(ids)
 
-    def step(accum: int, keep_logits: int = 1 << 30):
+    def step(accum: int, keep_logits: int = 1 << 30) -> tuple[Tensor, Tensor]:
         for _ in range(accum):   # the same micro-batch each time: only the timing matters here
             s = fn(params, {}, ids, labels, doc, cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths,
                    lora_scale=1.0, keep_logits=keep_logits)
             (s / (accum * B * T)).backward()
         grads = [p for p in named.values() if p.grad is not None]
-        train.clipped_step(opt, grads, torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True), 1.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
+        train.clipped_step(opt, grads, norm, 1.0)
         opt.zero_grad(set_to_none=True)
+        return s.detach() / (B * T), norm   # the last micro-batch's mean loss, the gradient norm
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    for i in range(a.warmup):
-        step(1)
+    for i in range(a.warmup):   # the loss is a sanity check: ~ln(V) at the start on random tokens, finite
+        loss, norm = step(1)
         sync()
         mem = ""
         if device.type == "cuda":
             mem = (f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated after it, peak "
                    f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
             torch.cuda.reset_peak_memory_stats(device)
-        print(f"  warm-up step {i + 1}/{a.warmup} done at {time.perf_counter() - t0:.0f} s{mem}", flush=True)
+        print(f"  warm-up step {i + 1}/{a.warmup} done at {time.perf_counter() - t0:.0f} s, loss {float(loss):.4f} "
+              f"(ln V = {math.log(V):.4f}), grad norm {float(norm):.4g}{mem}", flush=True)
     warm_s = time.perf_counter() - t0
     flops = train.model_flops_per_token(cfg, T)
     peak = train.peak_flops(device)
