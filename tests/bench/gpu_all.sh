@@ -12,6 +12,7 @@
 #   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
 #   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles: tight in 580 s)
+#   bash tests/bench/gpu_all.sh fsdp-fp32                  # fsdp-eager in fp32 without TF32: parity to rounding
 # Each part prints "<part> rc=<exit code> <seconds> s" at the end of its file; rc 124 means it hit its limit.
 set -u
 cd "$(dirname "$0")/../.."
@@ -50,6 +51,8 @@ for part in "$@"; do
                    run train-chunk 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk ;;
     fsdp) run fsdp 580 python -W ignore tests/bench/fsdp.py ;;
     fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-chunk, fsdp, fsdp-eager)"; exit 2 ;;
+    fsdp-fp32) run fsdp-fp32 580 python -W ignore tests/bench/fsdp.py --compile off --dtype float32 --no-tf32 \
+                 --steps 12 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-chunk, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
   esac
 done
