@@ -180,10 +180,10 @@ def _delta_bwd_reference(w, k, d, dh, dU_in, dsN):
 @pytest.mark.parametrize("prec", ["ieee", "tf32"])
 @pytest.mark.parametrize("which", ["fwd", "bwd"])
 def test_delta_states_every_tuned_config(which, prec):
-    """Every block shape the autotuner may pick, launched on its own, gives the float64 loop's result: a config
-    that faults or computes garbage never reaches a timing run only (on the H200 the forward's 16-column block with
-    8 warps read out of bounds with TF32 dots, which the autotuner timed among the rest). The release's C / K and a
-    V with two column blocks of the widest config on a GPU; small masked shapes under the interpreter."""
+    """Every block shape the autotuner may pick, launched on its own, gives the float64 loop's result: the
+    autotuner only times its configs (on the H200 the forward's 16-column block with 8 warps faulted with TF32 dots,
+    an illegal memory access, and was timed with the rest in a training run). The release's C / K and a V with two
+    column blocks of the widest config on a GPU; small masked shapes under the interpreter."""
     R, N, C, K, V = (2, 8, 64, 128, 128) if DEVICE == "cuda" else (2, 3, 16, 24, 40)
     tol = 5e-3 if prec == "tf32" and DEVICE == "cuda" else 1e-5      # the interpreter's dots are full fp32
     u, w, k, d, s0 = _delta_inputs(R, N, C, K, V)
