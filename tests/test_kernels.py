@@ -190,10 +190,10 @@ def test_delta_states_every_tuned_config(which, prec):
     grads = [torch.randn(*s, dtype=torch.float64) for s in ((R, N, K, V), (R, N, C, V), (R, K, V))]
     ref = kernels.delta_states_reference(u, w, k, d, s0) if which == "fwd" else _delta_bwd_reference(w, k, d, *grads)
     f32 = lambda *ts: [t.float().to(DEVICE) for t in ts]
-    BC, BK = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(K))
     blocks = kernels._DELTA_BLOCKS[which, prec]
     assert blocks and all((bv, nw) in kernels._ALL_BLOCKS for bv, nw in blocks)
     for bv, nw in blocks:
+        BC, BK, _ = kernels._delta_blocks(C, K, V, bv)
         outs = [torch.full_like(r, float("nan"), dtype=torch.float32, device=DEVICE) for r in ref]
         if which == "fwd":
             uu, ww, kk, dd, ss = f32(u, w, k, d, s0)
