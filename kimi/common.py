@@ -1,7 +1,7 @@
-"""Small shared pieces: the compute-dtype rule, linear, RMSNorm, LayerNorm.
+"""Small shared pieces: the compute-dtype rule, linear, RMSNorm, LayerNorm, SiTU-GLU.
 
-"fp32" in the specs means "at least fp32": `upcast` keeps float64 inputs in float64, so the whole model can run
-as a float64 reference (MODEL.md §2 numerics otherwise unchanged).
+"fp32" means "at least fp32" here: `upcast` keeps float64 inputs in float64, so the whole model can run as a
+float64 reference (docs/numerics.md#precision).
 """
 
 from __future__ import annotations
@@ -9,15 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-
-def compile_region(fn):
-    """Where a layer function would be marked `torch.compiler.nested_compile_region` (compiled once, stamped
-    out for every layer; COMPILE.md B.5). Not applied: on torch 2.11 with CUDA, Inductor plus nested regions gave
-    wrong gradients for the reused KDA/MLA layers (relative error ~0.9 against eager; forward correct; aot_eager
-    with regions and Inductor without regions both exact; tests/bench/gpu_grad_check.py reproduces it).
-    Correct gradients are worth the longer compile."""
-    return fn
 
 
 def host_checks() -> bool:
@@ -44,7 +35,7 @@ def linear(x: Tensor, p: dict) -> Tensor:
 
 
 def rms_norm(x: Tensor, p: dict, eps: float) -> Tensor:
-    """Kimi's RMSNorm (MODEL.md §2): normalize in fp32, cast back to x's dtype, then multiply by the weight.
+    """Kimi's RMSNorm (docs/numerics.md#norms): normalize in fp32, cast back to x's dtype, then multiply by the weight.
     The weight multiplies after the cast, so a bf16 weight on bf16 x gives a bf16 product."""
     xf = upcast(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -52,7 +43,17 @@ def rms_norm(x: Tensor, p: dict, eps: float) -> Tensor:
 
 
 def layer_norm(x: Tensor, p: dict, eps: float) -> Tensor:
-    """LayerNorm with weight and bias computed in fp32 and cast back (the indexer's k_norm, DSA.md §3.1)."""
+    """LayerNorm with weight and bias computed in fp32 and cast back (the indexer's k_norm)."""
     xf = upcast(x)
     y = F.layer_norm(xf, xf.shape[-1:], upcast(p["weight"]), upcast(p["bias"]), eps)
     return y.to(x.dtype)
+
+
+def situ_glu(gate: Tensor, up: Tensor, beta: float, beta_lin: float | None) -> Tensor:
+    """SiTU-GLU (docs/numerics.md#situ-glu) in fp32, returned in gate's dtype. Saturates at beta for large gate inputs
+    and soft-clamps up to ±beta_lin."""
+    g, u = upcast(gate), upcast(up)
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if beta_lin is not None:
+        u = beta_lin * torch.tanh(u / beta_lin)
+    return (a * u).to(gate.dtype)

@@ -236,37 +236,41 @@ class ModelConfig:
 
 # ---------------------------------------------------------------------------------------------- Backend
 
-AttnBackend = Literal["eager", "sdpa"]
-KDABackend = Literal["recurrent", "chunk", "chunk_opaque", "chunk_triton"]
-MoEBackend = Literal["dense", "grouped"]
-MLAForm = Literal["expanded", "absorbed"]
+AttnBackend = Literal["auto", "eager", "sdpa"]
+MLAForm = Literal["auto", "expanded", "absorbed"]
+KDABackend = Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"]
+MoEBackend = Literal["auto", "dense", "grouped", "gemv"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Backend:
-    """Which implementation runs each backend-dependent piece (dispatch in `kimi/ops.py`)."""
+    """Which implementation runs each backend-dependent op. The implementations are the table in `kimi/ops`
+    (`kimi.ops.IMPLEMENTATIONS`); every "auto" is replaced by a concrete choice in one place,
+    `kimi.ops.resolve` (docs/architecture.md#backends)."""
 
-    attn: AttnBackend = "sdpa"
-    """Sparse MLA: 'eager' (fp32 softmax over a dense keep-mask; the reference) or 'sdpa'
-    (F.scaled_dot_product_attention with the same boolean mask)."""
-    mla_form: MLAForm = "expanded"
-    """'expanded' (per-head K/V through kv_b_proj) or 'absorbed' (kv_b_proj folded into q and the output;
-    attention over the 576-wide latent, what sparse kernels run; DSA.md §4.2)."""
-    kda: KDABackend = "chunk"
-    """'recurrent' (token-by-token loop, the float64-capable definition), 'chunk' (chunkwise-parallel, fp32
-    accumulation, chunk 64; traced by torch.compile) or 'chunk_opaque' (the same computation as one opaque op:
-    torch.compile does not trace into it, which cuts compile time several-fold, and its backward recomputes the
-    forward through `torch.func.vjp`, saving only the inputs) or 'chunk_triton' ('chunk' with the sequential
-    chunk-to-chunk state pass as one Triton kernel, forward and backward, instead of a loop of small matmuls;
-    float32/bfloat16 inputs on a GPU, or on the CPU under TRITON_INTERPRET=1)."""
-    moe: MoEBackend = "grouped"
-    """'dense' (every expert on every token, weights zero where unselected: the any-dtype reference) or
-    'grouped' (tokens sorted by expert, F.grouped_mm; float32/bfloat16 only)."""
+    attn: AttnBackend = "auto"
+    """Gated MLA's attention over the selected keys: 'eager' (fp32 softmax over a dense keep-mask; the reference)
+    or 'sdpa' (`F.scaled_dot_product_attention` with the same mask; expanded form only)."""
+    mla_form: MLAForm = "auto"
+    """'expanded' (per-head K/V through kv_b_proj) or 'absorbed' (kv_b_proj folded into the query and the
+    output: attention over the 576-wide shared latent, the form sparse kernels and decoding use)."""
+    kda: KDABackend = "auto"
+    """The KDA core: 'recurrent' (token loop, the definition), 'chunk' (chunkwise-parallel, traced by
+    torch.compile), 'chunk_opaque' (the same as one opaque op: much shorter compiles, its backward recomputes the
+    forward) or 'chunk_triton' ('chunk' with the chunk-to-chunk state pass as one Triton kernel each way)."""
+    moe: MoEBackend = "auto"
+    """Routed experts: 'dense' (every expert on every token; the any-dtype reference), 'grouped' (tokens sorted by
+    expert, one grouped matmul per projection; float32/bfloat16) or 'gemv' (a Triton kernel that reads each chosen
+    expert's weights once: decoding a few tokens on a GPU)."""
 
     def __post_init__(self):
         for name, allowed in _BACKEND_CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Backend.{name}={getattr(self, name)!r}: expected one of {allowed}")
+        if self.attn == "sdpa" and self.mla_form == "absorbed":
+            raise ValueError("Backend(attn='sdpa', mla_form='absorbed'): SDPA has no shared-latent form (it would "
+                             "copy the 576-wide latent to every head); use attn='eager' or 'auto' with the absorbed "
+                             "form")
 
 
 _BACKEND_CHOICES = {"attn": get_args(AttnBackend), "mla_form": get_args(MLAForm), "kda": get_args(KDABackend),

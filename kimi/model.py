@@ -1,6 +1,6 @@
 """The model: embedding -> 93 decoder layers joined by Attention Residuals -> output mix, norm, head.
 
-Attention Residuals (MODEL.md §3.3). Layers are grouped in blocks of `attn_res_block_size`. The state between
+Attention Residuals (docs/numerics.md#attention-residuals). Layers are grouped in blocks of `attn_res_block_size`. The state between
 layers is the current block's partial sum P (also the layer input h) and the list R of closed entries: R[0] is
 the embedding, R[n] the summed sublayer outputs of block n-1. A sublayer does not read P directly but a
 per-token softmax mix of R and P:
@@ -10,7 +10,7 @@ per-token softmax mix of R and P:
 in fp32, cast back. Layer l: a_in = Mix(P, R) (just P at layer 0); at a block start P joins R and a new partial
 sum starts; P += attn(input_layernorm(a_in)); m_in = Mix(P, R); P += ffn(post_attention_layernorm(m_in)).
 After the last layer the output mix over R and P feeds the final norm and the head.
-With `attn_res_block_size = None` the layers use the plain pre-norm residual (§3.2).
+With `attn_res_block_size = None` the layers use the plain pre-norm residual.
 
 Documents: `document_ids` [B, T] marks packed documents; a new document starts wherever the id changes, and
 negative ids mark padding. Attention is document-causal and the KDA state and short conv restart at every
@@ -35,7 +35,7 @@ DEFAULT_BACKEND = Backend()
 
 
 def attn_res_mix(P: Tensor, R: list[Tensor] | Tensor, p_norm: dict, p_proj: dict, eps: float) -> Tensor:
-    """Mix(P, R) of MODEL.md §3.3: P [B, T, D] and entries R (a list of [B, T, D], or one stacked [n, B, T, D]
+    """Mix(P, R): P [B, T, D] and entries R (a list of [B, T, D], or one stacked [n, B, T, D]
     tensor) -> [B, T, D] in P's dtype. The norm weight enters only the pseudo-query; the mixed values are the raw
     entries."""
     V = torch.cat([R, P[None]]) if isinstance(R, Tensor) else torch.stack([*R, P])   # [n+1, B, T, D]
@@ -64,20 +64,14 @@ def layer_plan(cfg: ModelConfig, i: int) -> tuple[str, bool, bool]:
     return cfg.layer_types[i], cfg.is_moe_layer(i), block is not None and i % block == 0
 
 
-def decoder_layer(p: dict, h: Tensor, R: list[Tensor], i: int, cfg: ModelConfig, backend: Backend, *,
-                  seg: Tensor | None, reset: Tensor | None, cache: dict | None = None,
-                  step: Step | None = None) -> tuple[Tensor, list[Tensor]]:
-    """Layer i. h [B, T, D] is the layer input (the current block's partial sum); R the closed entries.
-    Returns (h', R'). cache: this layer's cache dict (kimi/cache.py), step: where the new tokens sit."""
-    return layer_step(p, h, R, layer_plan(cfg, i), cfg, backend, seg=seg, reset=reset, cache=cache, step=step)
-
-
 def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bool, bool], cfg: ModelConfig,
                backend: Backend, *, seg: Tensor | None, reset: Tensor | None, cache: dict | None = None,
                step: Step | None = None) -> tuple[Tensor, list[Tensor] | Tensor]:
-    """`decoder_layer` given the layer's `layer_plan` instead of its index, so one compiled graph of it serves
-    every layer with the same plan (`compile_layers`). R is a list, or (in `compile_layers`) one stacked
-    [n, B, T, D] tensor; it is returned in the same form."""
+    """Decoder layer with plan `layer_plan(cfg, i)`. h [B, T, D] is the layer input (the current block's partial
+    sum), R the closed attention-residual entries; returns (h', R'). The plan, not the index, selects the code, so
+    one compiled graph serves every layer with the same plan (`compile_layers`). R is a list, or (in
+    `compile_layers`) one stacked [n, B, T, D] tensor; it is returned in the same form. cache: this layer's cache
+    dict (kimi/cache.py), step: where the new tokens sit."""
     kind, is_moe, opens_block = plan
     eps = cfg.rms_norm_eps
 
@@ -107,8 +101,8 @@ def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bo
 
 
 def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
-            document_ids: Tensor | None = None, cache: dict | None = None,
-            head: bool = True) -> Tensor | tuple[Tensor, dict]:
+            document_ids: Tensor | None = None, cache: dict | None = None, head: bool = True,
+            layer: Callable | None = None) -> Tensor | tuple[Tensor, dict]:
     """Logits [B, T, V] (in the parameters' dtype) for input_ids [B, T] (int).
 
     Args:
@@ -122,12 +116,17 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
             The buffers are updated in place and pos advances by T; returns (logits, cache). Inference only:
             runs under no_grad.
         head: False returns the final norm's output [B, T, D] instead of the logits (no cache), for a loss that
-            applies the head itself (train.py's blockwise cross-entropy never holds the [B, T, V] logits).
+            applies the head itself (`kimi.loss.token_loss_sum` never holds the [B, T, V] logits).
+        layer: runs one decoder layer, `layer(p, h, R, plan, cfg, backend, seg=, reset=, cache=, step=) -> (h, R)`
+            with the signature of `layer_step` (the default). `p` is `params["model"]["layers"][i]` as given, never
+            looked into here: a wrapper may put its own objects there (the FSDP units of `kimi.fsdp` do).
     """
+    layer = layer or layer_step
     if cache is not None:
         with torch.no_grad():
-            return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache)
-    return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=None, head=head)
+            return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache, layer=layer)
+    return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=None, head=head,
+                    layer=layer)
 
 
 def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dict]]:
@@ -136,10 +135,9 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
     Layers with the same `layer_plan` share one compiled graph, so compile time grows with the number of distinct
     layer kinds, not with depth. The closed attention-residual entries travel as one stacked [n, B, T, D] tensor
     whose count is marked dynamic from 2 on (0 and 1 are always specialized), so each plan has at most three graphs:
-    the release's 93 layers compile 7 graphs (24 with the count static), not one graph 93 layers long.
-    (`torch.compiler.nested_compile_region` would do this
-    inside one fullgraph, but it gives wrong gradients for reused regions with Inductor on torch 2.11 CUDA and
-    2.13 CPU; see common.py.) Embedding, the output mix and the head run eagerly; the layer loop is Python.
+    the release's 93 layers compile 7 graphs, not one graph 93 layers long (docs/compile.md#regional; why not
+    `torch.compiler.nested_compile_region`: docs/compile.md#nested-regions). Embedding, the output mix and the head
+    run eagerly; the layer loop is Python.
     `compile_kwargs` go to `torch.compile` (e.g. `dynamic=True`, `backend=...`). Same signature as `forward`.
     Raises Dynamo's per-function recompile limit so that every distinct layer gets its graph."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -171,11 +169,9 @@ def compile_options(**compile_kwargs) -> dict:
     """`torch.compile` keyword arguments with the Inductor workarounds this model needs on the installed torch
     (`compile_layers` applies them; pass `torch.compile(fn, **kimi.compile_options(fullgraph=True))` elsewhere).
 
-    Before torch 2.13, Inductor's mix-order reduction (the fused row+column sums of an RMSNorm backward) writes its
-    final `workspace[a * n * m : ...]` slice without parentheses around a symbolic split count, so with a dynamic
-    row count (compile_layers' stacked-R count, or any dimension Dynamo makes dynamic) the backward fails at run
-    time ("shape '[768, 2048]' is invalid for input of size 256", torch 2.11 on the H200). It is switched off
-    there; `mode=` is folded into the same options (torch.compile takes one or the other)."""
+    Before torch 2.13 Inductor's mix-order reduction miscompiles an RMSNorm backward over a dynamic row count, so it
+    is switched off there (docs/compile.md#inductor-workarounds); `mode=` is folded into the same options
+    (torch.compile takes one or the other)."""
     if (compile_kwargs.get("backend", "inductor") != "inductor" or _torch_version() >= (2, 13)
             or not hasattr(torch._inductor.config.triton, "mix_order_reduction")):
         return compile_kwargs

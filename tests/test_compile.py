@@ -16,16 +16,16 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kimi
-import kimi.ops as ops
 from helpers import rel_err, tiny
 from kimi.config import KDAConfig
-from kimi.indexer import visible_keys, topk_reference
+from kimi.indexer import visible_keys
+from kimi.ops.lightning_index import topk_reference
 from kimi.model import document_runs
 
 CFG = tiny(num_hidden_layers=2, attn_res_block_size=1,
            linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
 BACKENDS = [kimi.Backend(), kimi.Backend(attn="eager", kda="recurrent", moe="dense"),
-            kimi.Backend(attn="sdpa", mla_form="absorbed", kda="chunk", moe="dense"),
+            kimi.Backend(attn="eager", mla_form="absorbed", kda="chunk", moe="dense"),
             kimi.Backend(kda="chunk_opaque"), kimi.Backend(kda="chunk_triton")]
 
 
@@ -100,30 +100,37 @@ def _op_samples():
     w = torch.rand(N, 2)
     ex = [torch.randn(E, m, Z) * 0.2, torch.randn(E, Z, m) * 0.2, torch.randn(E, m, Z) * 0.2]
     offs = torch.tensor([3, 3, 9, 12], dtype=torch.int32)
-    return {
-        "kda_recurrent": (ops.kda_recurrent, (q, k, v, g, beta, 0.3, s0, reset)),
-        "kda_chunk": (ops.kda_chunk, (q, k, v, g, beta, 0.3, s0, reset, 4)),
-        "kda_chunk_opaque": (ops.kda_chunk_opaque, (q, k, v, g, beta, 0.3, s0, reset, 4)),
-        "kda_chunk_opaque_bwd": (ops.kda_chunk_opaque_bwd, (q, k, v, g, beta, 0.3, None, reset, 4, v.clone(), s0.clone())),
-        "kda_chunk_triton": (ops.kda_chunk_triton, tuple(t.float() if isinstance(t, torch.Tensor) and
-                                                          t.is_floating_point() else t
-                                                          for t in (q, k, v, g, beta, 0.3, s0, reset, 4))),
-        "kda_states": (torch.ops.kimi.kda_states.default, (r(4, 3, 16, 8, dt=f32), r(4, 3, 16, 8, dt=f32) * 0.3,
-                                                           r(4, 3, 16, 8, dt=f32) * 0.3, torch.rand(4, 3, 8),
-                                                           r(4, 8, 8, dt=f32))),
-        "kda_states_bwd": (torch.ops.kimi.kda_states_bwd.default,
+    k_ops = torch.ops.kimi
+    f32s = lambda ts: tuple(t.float() for t in ts)
+    return {   # name: (op, positional args, keyword args)
+        "kda_recurrent": (k_ops.kda_recurrent.default, (q, k, v, g, beta, s0, reset), dict(scale=0.3)),
+        "kda_chunk": (k_ops.kda_chunk.default, (q, k, v, g, beta, s0, reset), dict(scale=0.3, chunk_size=4)),
+        "kda_chunk_opaque": (k_ops.kda_chunk_opaque.default, (q, k, v, g, beta, s0, reset),
+                             dict(scale=0.3, chunk_size=4)),
+        "kda_chunk_opaque_bwd": (k_ops.kda_chunk_opaque_bwd.default, (q, k, v, g, beta, None, reset, v.clone(),
+                                                                      s0.clone()), dict(scale=0.3, chunk_size=4)),
+        "kda_chunk_triton": (k_ops.kda_chunk_triton.default, (*f32s((q, k, v, g, beta, s0)), reset),
+                             dict(scale=0.3, chunk_size=4)),
+        "kda_states": (k_ops.kda_states.default, (r(4, 3, 16, 8, dt=f32), r(4, 3, 16, 8, dt=f32) * 0.3,
+                                                  r(4, 3, 16, 8, dt=f32) * 0.3, torch.rand(4, 3, 8),
+                                                  r(4, 8, 8, dt=f32)), {}),
+        "kda_states_bwd": (k_ops.kda_states_bwd.default,
                            (r(4, 3, 16, 8, dt=f32), r(4, 3, 16, 8, dt=f32), torch.rand(4, 3, 8),
-                            r(4, 3, 8, 8, dt=f32), r(4, 3, 16, 8, dt=f32), r(4, 8, 8, dt=f32))),
-        "kda_step": (ops.kda_step, (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], 0.3, s0)),
-        "indexer_topk": (ops.indexer_topk_op, (r(B, 3, 2, 8), r(B, T, 8), r(B, 3, 2), vis, 4)),
-        "sparse_mla_eager": (ops.sparse_mla_eager, (qm, c, kpe, kvb, visible_keys(seg), idx, cfg.softmax_scale, True)),
-        "sparse_mla_sdpa": (ops.sparse_mla_sdpa, (qm[:, 3:], c, kpe, kvb, vis, None, cfg.softmax_scale, False)),
-        "moe_experts_dense": (ops.moe_experts_dense, (z, eidx, w, *ex, 4.0, 25.0)),
-        "moe_experts_grouped": (ops.moe_experts_grouped, (z, eidx, w, *ex, 4.0, None)),
-        "moe_experts_gemv": (ops.moe_experts_gemv, (z, eidx, w, *ex, 4.0, 25.0)),
-        "moe_gemv": (torch.ops.kimi.moe_gemv.default, (torch.randn(12, 16), torch.randn(4, 8, 16), offs)),
-        "grouped_mm": (torch.ops.kimi.grouped_mm.default, (torch.randn(12, 16), torch.randn(4, 16, 8), offs)),
-        "grouped_mm_wgrad": (torch.ops.kimi.grouped_mm_wgrad.default, (torch.randn(12, 16), torch.randn(12, 8), offs)),
+                            r(4, 3, 8, 8, dt=f32), r(4, 3, 16, 8, dt=f32), r(4, 8, 8, dt=f32)), {}),
+        "kda_step": (k_ops.kda_step.default, (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0), dict(scale=0.3)),
+        "indexer_topk": (k_ops.indexer_topk.default, (r(B, 3, 2, 8), r(B, T, 8), r(B, 3, 2), vis), dict(topk=4)),
+        "sparse_mla_eager": (k_ops.sparse_mla_eager.default, (qm, c, kpe, kvb, visible_keys(seg), idx),
+                             dict(scale=cfg.softmax_scale)),
+        "sparse_mla_sdpa": (k_ops.sparse_mla_sdpa.default, (qm[:, 3:], c, kpe, kvb, vis, None),
+                            dict(scale=cfg.softmax_scale)),
+        "sparse_mla_absorbed": (k_ops.sparse_mla_absorbed.default, (qm, c, kpe, kvb, visible_keys(seg), idx),
+                                dict(scale=cfg.softmax_scale)),
+        "moe_experts_dense": (k_ops.moe_experts_dense.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=25.0)),
+        "moe_experts_grouped": (k_ops.moe_experts_grouped.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=None)),
+        "moe_experts_gemv": (k_ops.moe_experts_gemv.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=25.0)),
+        "moe_gemv": (k_ops.moe_gemv.default, (torch.randn(12, 16), torch.randn(4, 8, 16), offs), {}),
+        "grouped_mm": (k_ops.grouped_mm.default, (torch.randn(12, 16), torch.randn(4, 16, 8), offs), {}),
+        "grouped_mm_wgrad": (k_ops.grouped_mm_wgrad.default, (torch.randn(12, 16), torch.randn(12, 8), offs), {}),
     }
 
 
@@ -135,7 +142,7 @@ def test_every_registered_op_is_covered():
 
 @pytest.mark.parametrize("name", sorted(_op_samples()))
 def test_opcheck(name):
-    op, args = _op_samples()[name]
+    op, args, kwargs = _op_samples()[name]
     args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() and name not in
                  ("indexer_topk", "kda_chunk_opaque_bwd", "kda_states_bwd") else a for a in args)
     if name == "kda_chunk_opaque_bwd":
@@ -144,27 +151,14 @@ def test_opcheck(name):
         # the fake kernel's outputs match the real ones in shape, dtype and strides, and no input is mutated.
         from torch._subclasses.fake_tensor import FakeTensorMode
         before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        real = op(*args)
+        real = op(*args, **kwargs)
         assert all(not isinstance(a, torch.Tensor) or torch.equal(a, b) for a, b in zip(args, before))
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
         assert [(t.shape, t.dtype, t.stride()) for t in real] == [(t.shape, t.dtype, t.stride()) for t in fake]
         assert all(t.data_ptr() != a.data_ptr() for t in real for a in args if isinstance(a, torch.Tensor))
         return
-    torch.library.opcheck(op, args)
-
-
-def test_grouped_mm_gradients_match_loop():
-    offs = torch.tensor([2, 2, 7, 10], dtype=torch.int32)
-    x = torch.randn(10, 16, requires_grad=True)
-    w = torch.randn(4, 16, 8, requires_grad=True)
-    probe = torch.randn(10, 8)
-    (torch.ops.kimi.grouped_mm(x, w, offs) * probe).sum().backward()
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    bounds = [0, *offs.tolist()]
-    ref = torch.cat([x2[a:b] @ w2[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
-    (ref * probe).sum().backward()
-    assert rel_err(x.grad, x2.grad) < 1e-6 and rel_err(w.grad, w2.grad) < 1e-6
+    torch.library.opcheck(op, args, kwargs)
 
 
 def test_kda_step_continues_the_recurrence():
@@ -172,18 +166,18 @@ def test_kda_step_continues_the_recurrence():
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1) for _ in range(2))
     v, g = torch.randn(B, T, H, K, dtype=torch.float64), -torch.rand(B, T, H, K, dtype=torch.float64)
     beta = torch.rand(B, T, H, dtype=torch.float64)
-    o, S = ops.kda_recurrent(q, k, v, g, beta, 0.3, None, None)
-    o8, S8 = ops.kda_chunk(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], 0.3, None, None)
-    o9, S9 = ops.kda_step(q[:, 8], k[:, 8], v[:, 8], g[:, 8], beta[:, 8], 0.3, S8)
+    o, S = torch.ops.kimi.kda_recurrent(q, k, v, g, beta, scale=0.3)
+    o8, S8 = torch.ops.kimi.kda_chunk(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], scale=0.3)
+    o9, S9 = torch.ops.kimi.kda_step(q[:, 8], k[:, 8], v[:, 8], g[:, 8], beta[:, 8], S8, scale=0.3)
     assert rel_err(o9, o[:, 8]) < 1e-13 and rel_err(S9, S) < 1e-13
 
 
 def test_scan_gradient_in_consumer_layout():
-    """kimi.kda._scan under Inductor's decompositions when the gradient of the stacked outputs arrives in the
+    """kimi.ops.delta_rule._scan under Inductor's decompositions when the gradient of the stacked outputs arrives in the
     consumer's layout (here [B, T, H, V] seen as [N, B, H, C, V], as KDA's o is). torch 2.13's scan backward
     replays a step graph traced for contiguous gradients; without `_ContiguousGrad` this fails with "Cannot view
     a tensor with shape [2, 3, 16, 8] and strides ..."."""
-    from kimi.kda import _scan
+    from kimi.ops.delta_rule import _scan
 
     def f(S, xs, probe):
         def step(S, x):  # S [B, H, K, V], x = (a [B, H, C, K],): batched matmuls, as in KDA's hand-off

@@ -110,7 +110,7 @@ def test_missing_linear_attn_config_uses_k3_pattern():
 
 
 def test_backend_choices_are_checked():
-    assert kimi.Backend() == kimi.Backend(attn="sdpa", kda="chunk")
+    assert kimi.Backend() == kimi.Backend(attn="auto", mla_form="auto", kda="auto", moe="auto")
     with pytest.raises(ValueError, match="Backend.attn"):
         kimi.Backend(attn="flash")
     with pytest.raises(ValueError, match="Backend.kda"):

@@ -24,7 +24,7 @@ from kimi.config import KDAConfig
 CFG = tiny(num_hidden_layers=4, index_topk=4, index_rope_dim=8,
            linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1, 3), full_attn_layers=(2, 4)))
 F64 = [kimi.Backend(attn="eager", mla_form="expanded", kda="recurrent", moe="dense"),
-       kimi.Backend(attn="sdpa", mla_form="absorbed", kda="chunk", moe="dense")]
+       kimi.Backend(mla_form="absorbed", kda="chunk", moe="dense")]
 TOL64 = 1e-12
 
 
@@ -145,7 +145,7 @@ def test_decode_step_compiles_fullgraph():
     compiled step equals eager. Left-padded rows, so start masks are live."""
     torch._dynamo.reset()
     params = kimi.init_params(CFG2, seed=0)
-    backend = kimi.Backend(attn="sdpa", mla_form="absorbed", kda="chunk", moe="dense")
+    backend = kimi.Backend(mla_form="absorbed", kda="chunk", moe="dense")
     B = 2
     start = torch.tensor([0, 3])
     cache = kimi.init_cache(CFG2, B, 12, start=start)
@@ -177,7 +177,7 @@ def test_decode_step_cuda_graphs():
     torch._dynamo.reset()
     counters.clear()
     params = kimi.init_params(CFG2, seed=0, device="cuda")
-    backend = kimi.Backend(attn="sdpa", mla_form="absorbed", kda="chunk", moe="dense")
+    backend = kimi.Backend(mla_form="absorbed", kda="chunk", moe="dense")
     B = 2
     cache = kimi.init_cache(CFG2, B, 16, device="cuda", start=torch.tensor([0, 3]))
     _, cache = kimi.forward(params, _ids(B, 6, CFG2).cuda(), CFG2, backend, cache=cache)

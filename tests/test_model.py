@@ -57,7 +57,7 @@ def test_float32_agrees_with_float64(p32, p64):
 @pytest.mark.parametrize("backend", [
     kimi.Backend(attn="sdpa", kda="chunk", moe="dense"),
     kimi.Backend(attn="eager", kda="chunk", mla_form="absorbed", moe="dense"),
-    kimi.Backend(attn="sdpa", kda="recurrent", mla_form="absorbed", moe="dense"),
+    kimi.Backend(kda="recurrent", mla_form="absorbed", moe="dense"),
 ])
 def test_backends_agree_in_float64(p64, backend):
     cfg = kimi.preset("tiny")

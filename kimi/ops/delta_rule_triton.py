@@ -1,125 +1,18 @@
-"""Hand-written Triton kernels, each beside its naive reference. Registered as opaque ops in `kimi/ops.py`.
+"""Triton kernels of KDA's chunk-to-chunk state pass, beside their float64 reference (docs/numerics.md#kda-state-pass).
 
-Triton is optional: without it (or without a GPU and without `TRITON_INTERPRET=1`) the references run. On the CPU
-the kernels run through Triton's interpreter (`TRITON_INTERPRET=1`, set by tests/conftest.py when there is no
-GPU), which is how CI tests them; the H200 runs the same tests compiled.
-
-`moe_gemv`: the routed experts' matmuls for a few tokens (decode). Rows arrive sorted by expert (`offs` the
-cumulative row counts, as for `F.grouped_mm`). The grid runs over row slots x blocks of BLOCK_M outputs, not over
-experts: the program at the first row of an expert's group streams that block of the expert's weight through
-once per 16 rows of the group (once at decode sizes) and writes all of them; the programs at the other rows do
-nothing. So the launch scales with the rows (16 at batch 1), not with the experts (896 in the release, most
-unchosen). Decode is weight-bandwidth bound: at batch 1 16 of 64 experts are touched, each by one row, where the
-grouped GEMM's 128-row tiles reach ~60 % of the copy bandwidth (tests/bench/decode.py --profile).
+Registered as `kimi::kda_states` / `kimi::kda_states_bwd` in `delta_rule.py`. On the CPU they run through Triton's
+interpreter (`TRITON_INTERPRET=1`), which is how CI tests them; the H200 runs the same tests compiled.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:   # the references below still run
-    triton = None
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def available(device: torch.device) -> bool:
-    """Whether the Triton kernels can run on tensors of `device`."""
-    return triton is not None and (device.type == "cuda" or interpreted())
-
-
-# ---------------------------------------------------------------------------------------------- moe_gemv
-
-def moe_gemv_reference(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """y[r] = w[e] @ x[r] for the rows r of expert e (rows offs[e-1]:offs[e]). x [N, K], w [E, M, K], offs [E]
-    int32 cumulative -> y [N, M] in x's dtype (fp32 accumulation)."""
-    y = x.new_zeros(x.shape[0], w.shape[1])
-    bounds = [0, *offs.tolist()]
-    for e in range(w.shape[0]):
-        a, b = bounds[e], bounds[e + 1]
-        if b > a:
-            y[a:b] = (x[a:b].float() @ w[e].float().t()).to(x.dtype)
-    return y
-
-
-if triton is not None:
-    @triton.jit
-    def _moe_gemv_kernel(x_ptr, w_ptr, offs_ptr, eid_ptr, y_ptr, M, K, stride_xn, stride_we, stride_wm,
-                         stride_wk, stride_yn, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         IEEE: tl.constexpr, UPCAST: tl.constexpr):
-        i = tl.program_id(0)                    # a row slot; only the first row of each expert's group works
-        mt = tl.program_id(1)
-        e = tl.load(eid_ptr + i)
-        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.where(i == start, tl.load(offs_ptr + e), start)
-        m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-        w_base = w_ptr + e.to(tl.int64) * stride_we + m[:, None] * stride_wm
-        for r0 in range(start, end, ROWS):      # no iteration unless this slot starts its group
-            r = r0 + tl.arange(0, ROWS)
-            acc = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                w = tl.load(w_base + k[None, :] * stride_wk, mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-                xv = tl.load(x_ptr + r[:, None] * stride_xn + k[None, :], mask=(r[:, None] < end) & (k[None, :] < K),
-                             other=0.0)
-                if UPCAST:   # the interpreter's 16-bit dot is wrong (triton 3.9); fp32 is exact there
-                    acc += tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-                elif IEEE:
-                    acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
-                else:
-                    acc += tl.dot(xv, tl.trans(w))
-            tl.store(y_ptr + r[:, None] * stride_yn + m[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=(r[:, None] < end) & (m[None, :] < M))
-
-
-if triton is not None:
-    # Block shapes for the GPU, tuned on the first call per (M, K) (decode warm-up, outside any CUDA-graph capture;
-    # every config writes y only, so the tuning reruns are harmless).
-    _moe_gemv_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=nw, num_stages=ns)
-                 for bm, bk, nw, ns in [(32, 128, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 8, 4),
-                                        (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3)]],
-        key=["M", "K"])(_moe_gemv_kernel)
-
-
-def moe_gemv(x: Tensor, w: Tensor, offs: Tensor, *, block_m: int | None = None, block_k: int | None = None) -> Tensor:
-    """The Triton kernel of `moe_gemv_reference` (same contract; w may be any strided view). Block shapes are
-    autotuned on a GPU unless given (the interpreter uses 64 x 128 by default)."""
-    if not available(x.device):
-        raise RuntimeError("moe_gemv needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        raise ValueError(f"moe_gemv: x and w must share a float32/bfloat16/float16 dtype, got {x.dtype}, {w.dtype}")
-    x = x.contiguous()
-    N, K = x.shape
-    M = w.shape[1]
-    y = x.new_empty(N, M)
-    if N == 0:
-        return y
-    # the expert of each sorted row: the number of group ends at or before it (static shapes, no host sync)
-    eid = torch.searchsorted(offs, torch.arange(N, device=x.device, dtype=offs.dtype), right=True, out_int32=True)
-    args = (x, w, offs, eid, y, M, K, x.stride(0), w.stride(0), w.stride(1), w.stride(2), y.stride(0))
-    flags = dict(ROWS=16, IEEE=x.dtype == torch.float32, UPCAST=interpreted() and x.dtype != torch.float32)
-    if block_m is None and block_k is None and not interpreted():
-        _moe_gemv_tuned[lambda meta: (N, triton.cdiv(M, meta["BLOCK_M"]))](*args, **flags)
-    else:
-        block_m, block_k = block_m or 64, block_k or 128
-        _moe_gemv_kernel[(N, triton.cdiv(M, block_m))](*args, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
-                                                       num_stages=4, **flags)
-    return y
-
-
-# ---------------------------------------------------------------------------------------------- delta_states
+from .registry import interpreted, tl, triton, triton_available
 
 def delta_states_reference(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The sequential part of chunked KDA (`kda.kda_chunk`): chunk n's entering state S_n, its corrected values U_n
+    """The sequential part of chunked KDA (`delta_rule.kda_chunk`): chunk n's entering state S_n, its corrected values U_n
     and the final state, for chunks n = 0..N-1 of every row (b, h) folded into the first dim:
 
         U_n     = u_n − w_n S_n                [C, V]
@@ -198,13 +91,10 @@ if triton is not None:
 
 
 if triton is not None:
-    # On a GPU the column block and warps are tuned on the first call per (C, K, V) (both kernels only write their
-    # outputs, so the tuning reruns are harmless): more, narrower blocks give more programs, wider ones fewer loads
-    # of the key tiles; which wins depends on the register pressure of the [K, BV] state. With TF32 dots Triton
-    # 3.6 runs them as wgmma on the H200, staging the operands in shared memory: the forward's 32 and 64 column
-    # blocks need more than an SM's 227 KiB (the backward's 64 too), and its 16-column block with 8 warps faults
-    # (illegal memory access, at every shape tried), so TF32 is tuned over the configs that ran and matched the
-    # float64 loop there (`test_delta_states_every_tuned_config`).
+    # The column block and warps are tuned on a GPU on the first call per (C, K, V) (both kernels only write their
+    # outputs, so tuning reruns are harmless). With TF32 dots Triton 3.6 stages wgmma operands in shared memory:
+    # only the configs that fit and matched the float64 loop on the H200 are tuned over
+    # (`test_delta_states_every_tuned_config`; docs/performance.md#kda).
     def _delta_configs(blocks):
         return [triton.Config({"BV": bv}, num_warps=nw) for bv, nw in blocks]
 
@@ -219,12 +109,10 @@ if triton is not None:
 
 
 def _launch_delta(which: str, R: int, C: int, K: int, V: int, block_v: int | None, tf32: bool | None, *args):
-    """Run a delta_states kernel (`which`: "fwd" or "bwd") over (rows, column blocks): autotuned on a GPU unless
+    """Run a state-pass kernel (`which`: "fwd" or "bwd") over (rows, column blocks): autotuned on a GPU unless
     `block_v` is given; fixed blocks (32 columns, 4 warps) under the interpreter. The dots in TF32 when `tf32`
-    (None: when torch's float32 matmul precision makes fp32 matmuls run in TF32 too), else in IEEE fp32 (a
-    K3.1-width training step on the H200: 20.3 ms of the two kernels in IEEE, 10.6 ms in TF32 with the strided
-    reads). A given `block_v` must be one the precision runs with on a GPU (`_DELTA_BLOCKS`), also when
-    interpreted."""
+    (None: when torch's float32 matmuls run in TF32), else in IEEE fp32. A given `block_v` must be one the
+    precision runs with on a GPU (`_DELTA_BLOCKS`), also when interpreted."""
     BC, BK, BV = _delta_blocks(C, K, V, block_v)
     if tf32 is None:
         tf32 = _fp32_matmuls_in_tf32()
@@ -267,18 +155,18 @@ def _check_delta(name: str, tensors: dict[str, Tensor]):
     if bad:
         raise ValueError(f"{name}: float32 tensors expected (the state pass accumulates in fp32), got {bad}")
     devices = {t.device for t in tensors.values()}
-    if len(devices) > 1 or not available(devices.pop()):
+    if len(devices) > 1 or not triton_available(devices.pop()):
         raise RuntimeError(f"{name} needs Triton and its tensors on one CUDA device (or TRITON_INTERPRET=1), got "
                            f"{ {n: str(t.device) for n, t in tensors.items()} }")
 
 
-def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *, block_v: int | None = None,
-                 tf32: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def delta_states_triton(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *, block_v: int | None = None,
+                        tf32: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The Triton kernel of `delta_states_reference` (same contract, float32 only): one launch for all chunks,
     programs over (rows, state column blocks), each carrying its block of the state through the chunks in
     registers. fp32 dots, in TF32 when `tf32` (default: as torch's fp32 matmuls, `_launch_delta`), else IEEE; the
     state and the sums stay fp32 either way. `block_v` fixes the column block (else autotuned on a GPU)."""
-    _check_delta("delta_states", dict(u=u, w=w, k=k, d=d, s0=s0))
+    _check_delta("delta_states_triton", dict(u=u, w=w, k=k, d=d, s0=s0))
     R, N, C, V = u.shape
     K = w.shape[-1]
     _delta_blocks(C, K, V, block_v)                        # validate before allocating
@@ -294,15 +182,14 @@ def delta_states(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor, *, bloc
 def _row_strided(t: Tensor) -> Tensor:
     """t [R, N, C, X] as the kernels read it: unit stride along X and R's stride N times N's (rows r·N + n evenly
     spaced); any C and N strides. KDA's w and u, column slices of one [.., C, K + V] tensor, pass as they are
-    (`.contiguous()` copied them: 15 same-dtype copies, 6.2 ms, in the H200 profile of a K3.1-width training step,
-    gone since)."""
+    instead of being copied."""
     ok = t.stride(-1) == 1 and (t.shape[0] <= 1 or t.shape[1] == 0 or t.stride(0) == t.shape[1] * t.stride(1))
     return t if ok else t.contiguous()
 
 
-def delta_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor, dsN: Tensor, *,
-                     block_v: int | None = None, tf32: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The sequential part of `delta_states`' backward, chunks in reverse (first order: no double backward).
+def delta_states_bwd_triton(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor, dsN: Tensor, *,
+                            block_v: int | None = None, tf32: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The sequential part of `delta_states_triton`'s backward, chunks in reverse (first order: no double backward).
     dh [R, N, K, V], dU_in [R, N, C, V] and dsN [R, K, V] are the gradients reaching S_n, U_n and S_N from outside.
     With Λ_N = dsN:
 
@@ -310,7 +197,7 @@ def delta_states_bwd(w: Tensor, k: Tensor, d: Tensor, dh: Tensor, dU_in: Tensor,
 
     Returns (dU [R, N, C, V] the total gradient of each U_n, Λ_{n+1} stacked [R, N, K, V], Λ_0 = the gradient of
     s0). The parallel rest (du = dU, dw = −dU Sᵀ, dk = U Λᵀ, dd = Σ_v S ⊙ Λ) is ordinary batched algebra."""
-    _check_delta("delta_states_bwd", dict(w=w, k=k, d=d, dh=dh, dU_in=dU_in, dsN=dsN))
+    _check_delta("delta_states_bwd_triton", dict(w=w, k=k, d=d, dh=dh, dU_in=dU_in, dsN=dsN))
     R, N, C, V = dU_in.shape
     K = w.shape[-1]
     _delta_blocks(C, K, V, block_v)

@@ -1,0 +1,130 @@
+"""The op layer: every computation whose implementation `Backend` chooses, and the one table that maps choices to
+implementations (docs/architecture.md#op-layer).
+
+Each op family is one file holding its reference, its fast implementations and their registration as `kimi::` ops;
+the layers (`kimi/kda.py`, `mla.py`, `indexer.py`, `moe.py`) call the functions below, and nothing here imports a
+layer module.
+
+| file                      | computes                                   | registered ops (torch.ops.kimi.*)                  |
+|---------------------------|--------------------------------------------|----------------------------------------------------|
+| delta_rule.py (+ _triton) | the KDA core: recurrence, step, chunks     | kda_recurrent, kda_chunk, kda_chunk_opaque (+_bwd), |
+|                           |                                            | kda_chunk_triton, kda_states (+_bwd), kda_step     |
+| lightning_index.py        | indexer scores and top-k                   | indexer_topk                                       |
+| sparse_attention.py       | attention over the selected keys           | sparse_mla_eager, sparse_mla_sdpa, sparse_mla_absorbed |
+| experts.py (+ _triton)    | routed experts, grouped matmuls            | moe_experts_dense/_grouped/_gemv, grouped_mm (+_wgrad), moe_gemv |
+
+`resolve` is the one place an "auto" choice is made.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import Backend
+from . import delta_rule, experts, lightning_index, sparse_attention
+from .registry import triton_available
+
+IMPLEMENTATIONS: dict[str, dict] = {
+    "kda": {
+        "recurrent": torch.ops.kimi.kda_recurrent.default,
+        "chunk": torch.ops.kimi.kda_chunk.default,
+        "chunk_opaque": torch.ops.kimi.kda_chunk_opaque.default,
+        "chunk_triton": torch.ops.kimi.kda_chunk_triton.default,
+    },
+    "attn": {   # keyed by (Backend.attn, Backend.mla_form)
+        ("eager", "expanded"): torch.ops.kimi.sparse_mla_eager.default,
+        ("sdpa", "expanded"): torch.ops.kimi.sparse_mla_sdpa.default,
+        ("eager", "absorbed"): torch.ops.kimi.sparse_mla_absorbed.default,
+    },
+    "moe": {
+        "dense": torch.ops.kimi.moe_experts_dense.default,
+        "grouped": torch.ops.kimi.moe_experts_grouped.default,
+        "gemv": torch.ops.kimi.moe_experts_gemv.default,
+    },
+}
+"""Backend field -> choice -> op. Every op of a field has the same signature (see the dispatch functions)."""
+
+GEMV_MAX_TOKENS = 64
+"""`moe="auto"` runs the gemv kernel for at most this many tokens (decoding), the grouped GEMM above."""
+
+
+def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, tokens: int | None = None,
+            cached: bool = False) -> Backend:
+    """`backend` with every "auto" replaced by the implementation that runs here:
+
+    - kda: 'chunk_triton' on a CUDA device with Triton (not for float64); 'chunk_opaque' while torch.compile
+      traces on a CPU (Inductor's CPU code generation for the traced chunk algebra takes minutes); else 'chunk'.
+    - mla_form: 'absorbed' with a decode cache (attention over the cached 576-wide latents, nothing re-expanded),
+      'expanded' without one (or with attn='sdpa').
+    - attn: 'sdpa' for the expanded form, 'eager' for the absorbed one.
+    - moe: 'gemv' for at most `GEMV_MAX_TOKENS` tokens on a CUDA device with Triton; 'grouped' for
+      float32/bfloat16; 'dense' otherwise.
+
+    The facts are the call's: its device, activation dtype, routed tokens and whether it runs on a cache. Concrete
+    choices are kept as given."""
+    triton_here = device.type == "cuda" and triton_available(device)
+    kda = backend.kda
+    if kda == "auto":
+        if triton_here and dtype != torch.float64:
+            kda = "chunk_triton"
+        else:
+            kda = "chunk_opaque" if device.type == "cpu" and torch.compiler.is_compiling() else "chunk"
+    form = backend.mla_form
+    if form == "auto":
+        form = "absorbed" if cached and backend.attn != "sdpa" else "expanded"
+    attn = backend.attn
+    if attn == "auto":
+        attn = "eager" if form == "absorbed" else "sdpa"
+    moe = backend.moe
+    if moe == "auto":
+        grouped_dtype = dtype in (torch.float32, torch.bfloat16)
+        if triton_here and grouped_dtype and tokens is not None and tokens <= GEMV_MAX_TOKENS:
+            moe = "gemv"
+        else:
+            moe = "grouped" if grouped_dtype else "dense"
+    return Backend(attn=attn, mla_form=form, kda=kda, moe=moe)
+
+
+# ---------------------------------------------------------------------------------------------- dispatch points
+
+def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None,
+             reset: Tensor | None = None, *, scale: float, backend: Backend) -> tuple[Tensor, Tensor]:
+    """The KDA delta rule over a sequence (docs/numerics.md#kda-recurrence). q, k [B, T, H, K] (L2-normalized),
+    v [B, T, H, V], g [B, T, H, K] log-decay, beta [B, T, H], initial_state [B, H, K, V] or None, reset [B, T]
+    bool (state zeroed before token t). Returns o [B, T, H, V] in v's dtype and the final state [B, H, K, V]
+    (fp32, or fp64 for fp64 inputs)."""
+    kda = resolve(backend, device=q.device, dtype=q.dtype).kda
+    return IMPLEMENTATIONS["kda"][kda](q, k, v, g, beta, initial_state, reset, scale=scale)
+
+
+def kda_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *,
+             scale: float) -> tuple[Tensor, Tensor]:
+    """One decode token of the delta rule: q, k, g [B, H, K], v [B, H, V], beta [B, H], state [B, H, K, V] ->
+    (o [B, H, V], new state), both in the compute dtype; `state` is not modified."""
+    return torch.ops.kimi.kda_step.default(q, k, v, g, beta, state, scale=scale)
+
+
+def indexer_topk(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, *, topk: int) -> Tensor:
+    """Indexer scores and top-k (docs/numerics.md#top-k): q [B, T, n, d], k [B, S, d], w [B, T, n] (scales
+    folded in), visible [B, T, S] bool the candidate keys. Returns int32 [B, T, topk]: valid key positions
+    ascending, then -1."""
+    return torch.ops.kimi.indexer_topk.default(q, k, w, visible, topk=topk)
+
+
+def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: Tensor, topk_idx: Tensor | None, *,
+               scale: float, backend: Backend) -> Tensor:
+    """Gated MLA's attention over the selected keys (docs/numerics.md#sparse-attention): q [B, T, H, d_n + d_r],
+    latent c [B, S, R], k_pe [B, S, d_r], the kv_b_proj weight, visible [B, T, S] bool, topk_idx int32 [B, T, k]
+    or None (every visible key). Returns o [B, T, H, d_v]."""
+    b = resolve(backend, device=q.device, dtype=q.dtype)
+    return IMPLEMENTATIONS["attn"][b.attn, b.mla_form](q, c, k_pe, kv_b, visible, topk_idx, scale=scale)
+
+
+def moe_experts(z: Tensor, idx: Tensor, weight: Tensor, experts: dict, *, beta: float, beta_lin: float | None,
+                backend: Backend) -> Tensor:
+    """Routed latent experts weighted after their down projection (docs/numerics.md#latent-moe-combine): z [N, Z],
+    idx [N, k] int64, weight [N, k] fp32, experts {w1, w3: [E, m, Z], w2: [E, Z, m]} -> [N, Z] in z's dtype."""
+    moe = resolve(backend, device=z.device, dtype=z.dtype, tokens=z.shape[0]).moe
+    return IMPLEMENTATIONS["moe"][moe](z, idx, weight, experts["w1"], experts["w2"], experts["w3"], beta=beta,
+                                       beta_lin=beta_lin)

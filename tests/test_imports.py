@@ -1,0 +1,70 @@
+"""The package's import graph: every module imports on its own in a fresh interpreter, and no module's imports
+form a cycle (the op layer never imports a layer module)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "kimi"
+MODULES = sorted("kimi." + ".".join(p.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+                 for p in PKG.rglob("*.py"))
+MODULES = [m.removesuffix(".__init__") for m in MODULES]
+
+
+def _imports(module: str) -> set[str]:
+    """The kimi modules `module` imports (relative or absolute), from its source."""
+    parts = module.split(".")
+    path = PKG.joinpath(*parts[1:])
+    is_pkg = path.is_dir()
+    src = (path / "__init__.py" if is_pkg else path.with_suffix(".py")).read_text()
+    here = parts if is_pkg else parts[:-1]          # the package a relative import starts from
+    found = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "kimi"}
+        elif isinstance(node, ast.ImportFrom):
+            base = here[:len(here) - node.level + 1] if node.level else []
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            if not target.startswith("kimi"):
+                continue
+            for a in node.names:   # `from . import x` imports the module kimi...x when there is one
+                sub = f"{target}.{a.name}"
+                found.add(sub if sub in MODULES else target)
+    return found - {module}
+
+
+def test_import_graph_has_no_cycle():
+    graph = {m: _imports(m) for m in MODULES}
+    assert "kimi.ops" in graph["kimi.kda"] and "kimi.ops.delta_rule" in graph["kimi.ops"]   # the parser sees imports
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]):
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in MODULES:
+        if m not in state:
+            visit(m, [m])
+
+
+def test_op_layer_imports_no_layer_module():
+    layers = {"kimi.kda", "kimi.mla", "kimi.indexer", "kimi.moe", "kimi.model"}
+    for m in MODULES:
+        if m.startswith("kimi.ops"):
+            assert not _imports(m) & layers, m
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_module_imports_alone(module):
+    """A fresh interpreter imports the module first (without relying on the order in kimi/__init__.py)."""
+    out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                         cwd=PKG.parent, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
