@@ -13,11 +13,11 @@ Layout (one dict; every leaf a tensor except `max_len`; W = short_conv_kernel_si
     max_len  int                 slot count (the static length of the MLA caches)
     layers[i] for a KDA layer:
       conv_q, conv_k, conv_v   [B, W-1, H·K]   the last W-1 raw (pre-conv) projections, activation dtype
-      state                    [B, H, K, V]    the recurrent state, fp32 (fp64 for an fp64 cache; KDA.md §10)
+      state                    [B, H, K, V]    the recurrent state, fp32 (fp64 for an fp64 cache)
     layers[i] for a gated-MLA layer:
       kv                       [B, max_len, kv_lora_rank + qk_rope_head_dim]   [c ; k_r] per slot, c after
-                               kv_a_layernorm: the 576-wide latent of the absorbed form (MODEL.md §4.3,
-                               DSA.md §8). The MLA is NoPE, so nothing is rotated and the expanded form reads
+                               kv_a_layernorm: the 576-wide latent of the absorbed form
+                               (docs/numerics.md#absorbed-form). The MLA is NoPE, so nothing is rotated and the expanded form reads
                                the same cache through kv_b_proj.
       index_k                  [B, max_len, index_head_dim]   indexer keys after k_norm (and RoPE), only when
                                the config has an indexer.
@@ -25,7 +25,7 @@ Layout (one dict; every leaf a tensor except `max_len`; W = short_conv_kernel_si
 Design: every row writes the same slots [pos, pos + T) and rows of unequal prompts are LEFT-padded; start[b]
 says where row b's real tokens begin. Why:
 - One shared `pos` is a single 0-d device tensor, bumped in place by forward: a decode step has no per-row
-  shapes and no host-side position, so it is captured once as a CUDA graph and replayed (COMPILE.md B.7). Cache
+  shapes and no host-side position, so it is captured once as a CUDA graph and replayed (docs/compile.md#cuda-graphs). Cache
   writes are `index_copy_` at slots pos + arange(T), never a Python-int slice (which would recompile per step).
 - Left padding makes all rows end at the same slot, so every row's next token lands at `pos` and decode needs no
   per-row scatter. Padded slots are invisible rather than absent: an MLA key is visible to a query at slot t iff
@@ -34,7 +34,7 @@ says where row b's real tokens begin. Why:
   of packed documents), so the state accumulated over padding is dropped; indexer RoPE positions are
   slot − start[b]. Hence a padded row computes exactly what the row alone computes (tests/test_decode.py).
 - The cost of left padding is wasted slots (the longest prompt decides) and a per-row mask over all max_len slots
-  in every step; the mask is what a static-shape step needs anyway (top-k over the full cache, DSA.md §8).
+  in every step; the mask is what a static-shape step needs anyway (top-k over the full cache).
 
 In-place updates: forward writes the new tokens into the cache's buffers (index_copy_/copy_) and returns the same
 dict. The functional return value is for readability; callers must not expect the cache they passed to be
@@ -129,7 +129,7 @@ def clone_cache(cache: dict) -> dict:
 
 
 def mark_static(cache: dict) -> dict:
-    """Mark every buffer as a static address for CUDA graphs (COMPILE.md B.7): replays then write the cache in
+    """Mark every buffer as a static address for CUDA graphs (docs/compile.md#cuda-graphs): replays then write the cache in
     place instead of copying it in, and in-place mutation does not make cudagraph trees skip the graph. Dynamo
     guards on these addresses, so a different cache recompiles: allocate one and `reset_cache` it."""
     for t in [cache["pos"], cache["start"], *(t for layer in cache["layers"] for t in layer.values())]:

@@ -1,10 +1,10 @@
-"""Checkpoints: safetensors in and out (sharded, indexed), and the MXFP4 expert format (MODEL.md §7).
+"""Checkpoints: safetensors in and out (sharded, indexed), and the MXFP4 expert format (docs/checkpoints.md).
 
 The parameter tree's paths are the file's tensor names without the `language_model.` prefix (params.py), with two
 layout differences handled here:
 - routed experts are stacked in the tree (`...experts.w1` [E, m, Z]) and stored per expert in the file
   (`...experts.{e}.w1.weight` [m, Z], or the MXFP4 pair `.weight_packed` [m, Z/2] + `.weight_scale` [m, Z/32]);
-- `A_log` is [H] in the tree and [H] or zero-padded to a multiple of 128 in the file (MODEL.md §5.1).
+- `A_log` is [H] in the tree and [H] or zero-padded to a multiple of 128 in the file (docs/checkpoints.md#a-log).
 
 `load_checkpoint` checks every name, shape and dtype from the headers before it reads any tensor data and reports
 all problems in one `CheckpointError`; `save_checkpoint` writes into a temporary sibling folder and renames it into
@@ -36,7 +36,7 @@ from .params import Spec, Tree, leaf_dtype, param_specs, to_dtype, tree_items, t
 PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 INDEX_FILE = "model.safetensors.index.json"
-A_LOG_PAD = 128  # A_log is stored zero-padded to a multiple of this (MODEL.md §5.1)
+A_LOG_PAD = 128  # A_log is stored zero-padded to a multiple of this (docs/checkpoints.md#a-log)
 
 
 class CheckpointError(ValueError):
@@ -56,7 +56,7 @@ GROUP = 32
 @functools.cache
 def _pow2_table(dtype: torch.dtype) -> Tensor:
     """2^(s-127) for every E8M0 byte s, exact (math.ldexp), then cast: in float32/bfloat16 s = 255 is inf and
-    no special case is made (as Automodel's ldexp, MODEL.md §7.4)."""
+    no special case is made (as the reference implementation's ldexp)."""
     return torch.tensor([math.ldexp(1.0, s - 127) for s in range(256)], dtype=torch.float64).to(dtype)
 
 
@@ -75,7 +75,7 @@ def _check_mxfp4(packed: Tensor, scale: Tensor) -> None:
 
 def mxfp4_decode(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16, *,
                  out: Tensor | None = None) -> Tensor:
-    """MXFP4 -> float (MODEL.md §7.4). packed uint8 [..., out, in/2], scale uint8 [..., out, in/32] -> [..., out, in].
+    """MXFP4 -> float (docs/checkpoints.md#mxfp4). packed uint8 [..., out, in/2], scale uint8 [..., out, in/32] -> [..., out, in].
 
     Byte j of a row holds element 2j in its low nibble and 2j+1 in its high nibble; element value is
     E2M1[code] · 2^(s-127) with s the group's scale byte (groups of 32 along the row). Exact: the product is
@@ -416,7 +416,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | torch.dtype | None = N
                 if role == "plain":
                     if want.expert is not None:
                         dest[want.expert].copy_(t)
-                    else:  # A_log: drop the padding (its values are not used, MODEL.md §5.1)
+                    else:  # A_log: drop the padding (its values are not used)
                         dest.copy_(t[: want.spec.shape[0]] if name.endswith(".A_log") else t)
                     continue
                 half = pending.setdefault((want.path, want.expert), {})
@@ -433,7 +433,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | torch.dtype | None = N
 # ============================================================================================== save
 
 def _quantization_config() -> dict:
-    """compressed-tensors MXFP4, weight-only, as the release describes it (MODEL.md §7.3)."""
+    """compressed-tensors MXFP4, weight-only, as the release describes it (docs/checkpoints.md#mxfp4)."""
     return {
         "quant_method": "compressed-tensors",
         "format": "mxfp4-pack-quantized",
@@ -495,7 +495,7 @@ def _write_json(p: Path, obj) -> None:
 
 def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Tree, *, max_shard_bytes: int = 2**30,
                     experts: Literal["plain", "mxfp4"] = "plain", wrap: bool = True) -> None:
-    """Write a checkpoint folder that `load_checkpoint` (and the release's layout, MODEL.md §7) reads.
+    """Write a checkpoint folder that `load_checkpoint` (and the release's layout, docs/checkpoints.md#layout) reads.
 
     Args:
         path: the folder. Written atomically: everything goes into a temporary sibling folder, is fsynced, and is
@@ -526,7 +526,7 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Tree, *, 
                   "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
                   "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": cfg.tie_word_embeddings,
                   "dtype": dtype, "text_config": text}
-        if experts == "mxfp4":  # Transformers reads it at the top level; MODEL.md §1.2 lists it in text_config
+        if experts == "mxfp4":  # Transformers reads it at the top level; the release lists it in text_config too
             config["quantization_config"] = _quantization_config()
     else:
         config = text

@@ -1,7 +1,7 @@
 """Configuration: the text model (`ModelConfig`, read from a Hugging Face `config.json`) and the choice of
 implementations (`Backend`).
 
-Field names are the `config.json` keys (MODEL.md §1), so a reader who knows the checkpoint knows the config.
+Field names are the `config.json` keys (docs/checkpoints.md#config), so a reader who knows the checkpoint knows the config.
 Both classes are frozen and keyword-only: hashable, so `torch.compile` treats them as constants. Values that
 follow from the fields are properties. Every check runs at construction, so a config that exists is valid.
 """
@@ -19,7 +19,7 @@ DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 def _k3_layer_lists(num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """K3's pattern (1-based): every 4th layer and the last are gated MLA, the rest KDA (MODEL.md §1.3)."""
+    """K3's pattern (1-based): every 4th layer and the last are gated MLA, the rest KDA."""
     full = sorted(set(range(4, num_layers + 1, 4)) | {num_layers})
     kda = [i for i in range(1, num_layers + 1) if i not in full]
     return tuple(kda), tuple(full)
@@ -27,7 +27,7 @@ def _k3_layer_lists(num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 @dataclass(frozen=True, kw_only=True)
 class KDAConfig:
-    """`linear_attn_config`: the KDA layers and which layers they are (KDA.md §2, MODEL.md §1.3)."""
+    """`linear_attn_config`: the KDA layers and which layers they are ."""
 
     num_heads: int
     head_dim: int
@@ -68,9 +68,9 @@ class ModelConfig:
     num_shared_experts: int
     moe_intermediate_size: int
     routed_expert_hidden_size: int
-    """Latent width Z the routed experts run in (Stable LatentMoE, MODEL.md §6.4)."""
+    """Latent width Z the routed experts run in (Stable LatentMoE, docs/architecture.md#latent-moe)."""
     attn_res_block_size: int | None
-    """Attention-Residual block length; None selects the plain pre-norm residual (MODEL.md §3)."""
+    """Attention-Residual block length; None selects the plain pre-norm residual (docs/architecture.md#attention-residuals)."""
     linear_attn_config: KDAConfig
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
@@ -97,7 +97,7 @@ class ModelConfig:
     index_head_dim: int | None = None
     index_topk: int | None = None
     index_rope_dim: int = 0
-    """Leading indexer q/k dims rotated (half-split RoPE, DSA.md §3.3). Project assumption: 0."""
+    """Leading indexer q/k dims rotated (half-split RoPE). The release uses 0."""
     rope_theta: float = 10000.0
     """Only used by the indexer when `index_rope_dim > 0`; the MLA itself has no rotary."""
     dtype: str = "bfloat16"
@@ -114,7 +114,7 @@ class ModelConfig:
         if self.hidden_act != "situ":
             raise ValueError(f"hidden_act={self.hidden_act!r}: K3 uses 'situ' (SiTU-GLU); nothing else is implemented")
         if not self.mla_use_nope:
-            raise ValueError("mla_use_nope=false is not a K3 model: K3's MLA has no rotary (MODEL.md §4.2)")
+            raise ValueError("mla_use_nope=false is not a K3 model: K3's MLA has no rotary")
         if self.num_key_value_heads != self.num_attention_heads:
             raise ValueError(f"num_key_value_heads={self.num_key_value_heads} != num_attention_heads="
                              f"{self.num_attention_heads}: K3's MLA has no grouped-query heads")
@@ -156,7 +156,7 @@ class ModelConfig:
                                  f"all absent, got {idx}")
             _check_positive(self, "index_n_heads", "index_head_dim", "index_topk")
             if self.q_lora_rank is None:
-                raise ValueError("the indexer reads the q LoRA latent: it needs q_lora_rank (DSA.md §3.2)")
+                raise ValueError("the indexer reads the q LoRA latent: it needs q_lora_rank")
             if self.index_rope_dim < 0 or self.index_rope_dim % 2 or self.index_rope_dim > self.index_head_dim:
                 raise ValueError(f"index_rope_dim={self.index_rope_dim}: expected an even number in "
                                  f"[0, index_head_dim={self.index_head_dim}]")
@@ -177,7 +177,7 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """(d_nope + d_rope)^-1/2, also in the absorbed 576-wide form (DSA.md §4.2)."""
+        """(d_nope + d_rope)^-1/2, also in the absorbed 576-wide form."""
         return self.qk_head_dim ** -0.5
 
     @property
@@ -218,7 +218,7 @@ class ModelConfig:
             text["dtype"] = source["dtype"]
         la = text.get("linear_attn_config")
         if la is None:
-            # Automodel's fallback when the key is absent: K3's pattern and KDA sizes (MODEL.md §1.3).
+            # The reference implementation's fallback when the key is absent: K3's pattern and KDA sizes.
             kda, full = _k3_layer_lists(_require(text, "num_hidden_layers", where))
             la = dict(num_heads=96, head_dim=128, kda_layers=kda, full_attn_layers=full)
         text["linear_attn_config"] = _build(KDAConfig, la, f"{where}: linear_attn_config")

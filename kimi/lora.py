@@ -7,11 +7,11 @@ An adapter on a weight W [out, in] is a pair A [r, in], B [out, r] with the effe
 Adapters live in their own flat dict keyed by the weight's dotted path
 (`"model.layers.3.self_attn.kv_b_proj.weight" -> {"A": ..., "B": ...}`). `apply` returns a new tree with the
 effective weights in place, so every consumer of a weight sees the adapted one: in particular `kv_b_proj`
-enters both the expanded and the absorbed MLA form (DSA.md §4.2) through the same effective weight. Stacked
+enters both the expanded and the absorbed MLA form through the same effective weight. Stacked
 routed experts [E, m, Z] get one adapter per expert (A [E, r, Z], B [E, m, r]).
 
 B starts at zero, so a fresh adapter leaves the model unchanged. The indexer is never a target (it is frozen,
-DSA.md §3.7); `e_score_correction_bias` is not a weight and is never a target either.
+docs/numerics.md#indexer-scores); `e_score_correction_bias` is not a weight and is never a target either.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The model: embedding -> 93 decoder layers joined by Attention Residuals -> output mix, norm, head.
 
-Attention Residuals (docs/numerics.md#attention-residuals). Layers are grouped in blocks of `attn_res_block_size`. The state between
-layers is the current block's partial sum P (also the layer input h) and the list R of closed entries: R[0] is
-the embedding, R[n] the summed sublayer outputs of block n-1. A sublayer does not read P directly but a
-per-token softmax mix of R and P:
+Attention Residuals (docs/numerics.md#attention-residuals). Layers are grouped in blocks of
+`attn_res_block_size`. The state between layers is the current block's partial sum P (also the layer input h) and
+the list R of closed entries: R[0] is the embedding, R[n] the summed sublayer outputs of block n-1. A sublayer does
+not read P directly but a per-token softmax mix of R and P:
 
     Mix(P, R) = Σ_i α_i V_i,   V = [R..., P],   α = softmax_i( <RMSNorm_noweight(V_i), w_norm ⊙ w_proj> )
 

@@ -1,4 +1,4 @@
-"""Tokenizers and the K3 chat format (MODEL.md §8).
+"""Tokenizers and the K3 chat format (docs/checkpoints.md#tokenizer, #chat-format).
 
 Two tokenizers share one interface:
 - `TiktokenTokenizer`: the checkpoint's `tiktoken.model` (BPE ranks) plus 256 reserved special ids after them, with
@@ -33,7 +33,7 @@ SPECIAL_NAMES = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: 
                  254: "[UNK]", 255: "[PAD]"}
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 
-# Kimi's pre-tokenization split (MODEL.md §8.1); `&&` is fancy-regex class intersection, which tiktoken supports.
+# Kimi's pre-tokenization split; `&&` is fancy-regex class intersection, which tiktoken supports.
 _NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -88,7 +88,7 @@ class Tokenizer:
         self.eos_id = self.specials["[EOS]"]
         self.pad_id = self.specials["[PAD]"]
         self.end_of_msg_id = self.specials[END_OF_MSG]
-        self.stop_ids = (self.end_of_msg_id, self.eos_id)   # MODEL.md §8.4
+        self.stop_ids = (self.end_of_msg_id, self.eos_id)   # generation stops at either
 
     # -- to be provided by subclasses
     def _encode_plain(self, text: str) -> list[int]:
@@ -453,7 +453,7 @@ def _order_tool_results(messages: Sequence[dict]) -> list[dict]:
 def render_chat(messages: Sequence[dict], *, tools: list | None = None, thinking: bool = True,
                 thinking_effort: str | None = "max", add_generation_prompt: bool = False,
                 tool_choice: str | None = None, response_format: Any = None) -> list[Segment]:
-    """The K3 chat format ("XTML", MODEL.md §8.3) as segments.
+    """The K3 chat format ("XTML", docs/checkpoints.md#chat-format) as segments.
 
     messages: dicts with `role` (system, user, assistant, tool) and `content` (a str or a list of text parts);
     assistant turns may carry `reasoning_content` and `tool_calls`; tool results `tool`/`name` or `tool_call_id`.

@@ -1,6 +1,6 @@
 """Test setup: fresh random inputs each run (the seed is printed so a failure can be replayed with
 KIMI_TEST_SEED=N), hypothesis without deadlines, a `gpu` marker that skips cleanly without CUDA, and a fresh
-Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: COMPILE.md B.3; removed at
+Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: docs/compile.md#fake-strides; removed at
 exit), and Triton's interpreter on machines without a GPU."""
 
 import atexit
@@ -16,7 +16,7 @@ from hypothesis import settings
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kimi-inductor-")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
-if not torch.cuda.is_available():   # Triton kernels (kimi/kernels.py) run through the interpreter; set before kimi
+if not torch.cuda.is_available():   # Triton kernels (kimi/ops/*_triton.py) run through the interpreter; set before kimi
     os.environ.setdefault("TRITON_INTERPRET", "1")   # is imported: @triton.jit reads it when a kernel is defined
 settings.register_profile("default", deadline=None, print_blob=True)
 settings.load_profile("default")

@@ -1,4 +1,4 @@
-"""kimi/checkpoint.py: MXFP4 (MODEL.md §7.4), the checkpoint layout (§7.1-7.3), error reports, atomic saves."""
+"""kimi/checkpoint.py: MXFP4, the checkpoint layout (docs/checkpoints.md), error reports, atomic saves."""
 
 from __future__ import annotations
 

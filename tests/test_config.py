@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 import kimi
 from kimi.config import KDAConfig, _k3_layer_lists
 
-# MODEL.md §10.2, the "tiny-27M" config: 27,142,320 parameters, 21,833,904 active.
+# The reference implementation's "tiny-27M" test config: 27,142,320 parameters, 21,833,904 active.
 TINY_27M = json.loads("""{"model_type": "kimi_linear", "vocab_size": 8192, "hidden_size": 512, "num_hidden_layers": 4,
  "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 128, "kv_lora_rank": 64,
  "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
@@ -25,7 +25,7 @@ TINY_27M = json.loads("""{"model_type": "kimi_linear", "vocab_size": 8192, "hidd
 
 
 def test_release_parameter_counts():
-    """MODEL.md §10.1: 2,779,484,476,000 total, 104.19 B active without the input embedding; the K3.1 Pro
+    """The release's published counts: 2,779,484,476,000 total, 104.19 B active without the input embedding; the K3.1 Pro
     indexer adds 13,959,424 per gated-MLA layer (335,026,176)."""
     k3, pro = kimi.preset("k3"), kimi.preset("k3_1_pro")
     assert kimi.param_count(k3) == 2_779_484_476_000

@@ -1,4 +1,4 @@
-"""Tokenizers (tiktoken BPE and the byte-level fallback) and the K3 chat format (MODEL.md §8)."""
+"""Tokenizers (tiktoken BPE and the byte-level fallback) and the K3 chat format (docs/checkpoints.md#chat-format)."""
 
 import json
 import re

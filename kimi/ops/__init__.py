@@ -5,13 +5,14 @@ Each op family is one file holding its reference, its fast implementations and t
 the layers (`kimi/kda.py`, `mla.py`, `indexer.py`, `moe.py`) call the functions below, and nothing here imports a
 layer module.
 
-| file                      | computes                                   | registered ops (torch.ops.kimi.*)                  |
-|---------------------------|--------------------------------------------|----------------------------------------------------|
-| delta_rule.py (+ _triton) | the KDA core: recurrence, step, chunks     | kda_recurrent, kda_chunk, kda_chunk_opaque (+_bwd), |
-|                           |                                            | kda_chunk_triton, kda_states (+_bwd), kda_step     |
-| lightning_index.py        | indexer scores and top-k                   | indexer_topk                                       |
-| sparse_attention.py       | attention over the selected keys           | sparse_mla_eager, sparse_mla_sdpa, sparse_mla_absorbed |
-| experts.py (+ _triton)    | routed experts, grouped matmuls            | moe_experts_dense/_grouped/_gemv, grouped_mm (+_wgrad), moe_gemv |
+| file                      | computes                               | ops (torch.ops.kimi.*)                        |
+|---------------------------|----------------------------------------|-----------------------------------------------|
+| delta_rule.py (+ _triton) | the KDA core: recurrence, step, chunks | kda_recurrent, kda_chunk, kda_chunk_opaque,   |
+|                           |                                        | kda_chunk_triton, kda_states, kda_step        |
+| lightning_index.py        | indexer scores and top-k               | indexer_topk                                  |
+| sparse_attention.py       | attention over the selected keys       | sparse_mla_eager, _sdpa, _absorbed            |
+| experts.py (+ _triton)    | routed experts, grouped matmuls        | moe_experts_dense, _grouped, _gemv,           |
+|                           |                                        | grouped_mm, moe_gemv                          |
 
 `resolve` is the one place an "auto" choice is made.
 """

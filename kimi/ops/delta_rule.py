@@ -1,5 +1,5 @@
-"""The KDA core: the gated delta rule over a sequence, its decode step and its chunked forms, each registered as
-a `kimi::` op (docs/numerics.md#kda-recurrence, #kda-chunk).
+"""The KDA core: the gated delta rule over a sequence, its decode step and its chunked forms, each registered
+as a `kimi::` op (docs/numerics.md#kda-recurrence, #kda-chunk).
 
 Notation: B batch, T tokens, H heads, K key head dim, V value head dim, C chunk size, BC = 16 sub-chunk size. Per
 (sequence, head) the state is S ∈ R^{K×V} ("K-first"). Per token: log-decay g_t ∈ R^K (g ≤ 0, decay α_t = e^{g_t}),

@@ -1,4 +1,5 @@
-"""Triton kernels of KDA's chunk-to-chunk state pass, beside their float64 reference (docs/numerics.md#kda-state-pass).
+"""Triton kernels of KDA's chunk-to-chunk state pass, beside their float64 reference
+(docs/numerics.md#kda-state-pass).
 
 Registered as `kimi::kda_states` / `kimi::kda_states_bwd` in `delta_rule.py`. On the CPU they run through Triton's
 interpreter (`TRITON_INTERPRET=1`), which is how CI tests them; the H200 runs the same tests compiled.

@@ -74,7 +74,8 @@ def moe_gemv_triton(x: Tensor, w: Tensor, offs: Tensor, *, block_m: int | None =
     if not triton_available(x.device):
         raise RuntimeError("moe_gemv_triton needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        raise ValueError(f"moe_gemv_triton: x and w must share a float32/bfloat16/float16 dtype, got {x.dtype}, {w.dtype}")
+        raise ValueError(f"moe_gemv_triton: x and w must share a float32/bfloat16/float16 dtype, got {x.dtype}, "
+                         f"{w.dtype}")
     x = x.contiguous()
     N, K = x.shape
     M = w.shape[1]

@@ -23,7 +23,7 @@ SEED = 1234
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
-# ----------------------------------------------------------------------------- MXFP4 (MODEL.md 7.4)
+# ----------------------------------------------------------------------------- MXFP4 (docs/checkpoints.md#mxfp4)
 def random_mxfp4(out_f: int, in_f: int, gen: torch.Generator, scale_lo: int = 121, scale_hi: int = 124):
     """Random E2M1 codes [out,in] (0..15) and E8M0 scales [out,in/32] in [scale_lo, scale_hi]."""
     assert in_f % 32 == 0
