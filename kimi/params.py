@@ -2,14 +2,15 @@
 
 Tree paths are the checkpoint names without the `language_model.` prefix:
 `params["model"]["layers"][3]["self_attn"]["kv_b_proj"]["weight"]` is `model.layers.3.self_attn.kv_b_proj.weight`.
-Two documented layout differences from the files (MODEL.md §6.4, §5.1), both handled in `checkpoint.py`:
+Two documented layout differences from the files (docs/checkpoints.md#stacked-experts, #a-log), both handled in
+`checkpoint.py`:
 - routed experts are stacked per layer: `block_sparse_moe.experts.w1` is [E, m, Z] (w3 likewise, w2 [E, Z, m]);
   the files hold `experts.{e}.w1.weight` (or its MXFP4 pair) per expert;
 - `A_log` holds the `num_heads` entries used; the files pad it to a multiple of 128.
 
 Leaves are `nn.Parameter` (CUDA graphs treat parameters as static inputs). The indexer and the router's
-`e_score_correction_bias` have `requires_grad=False`: the indexer is frozen (DSA.md §3.7), the bias is a
-buffer that is never trained (MODEL.md §9).
+`e_score_correction_bias` have `requires_grad=False`: the indexer is frozen, the bias is a buffer that is never
+trained (docs/numerics.md#init).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Spec:
     """normal (N(0, initializer_range)), ones, zeros, a_log (log U(1,16)), conv (U(±1/sqrt(W))),
     lm_head (truncated normal, std D^-1/2, cut at 3 std), embed (normal with the pad row zeroed)."""
     fp32: bool = False
-    """Kept in fp32 whatever the model dtype (MODEL.md §7.2): A_log, dt_bias, conv weights, o_norm,
+    """Kept in fp32 whatever the model dtype (docs/numerics.md#precision): A_log, dt_bias, conv weights, o_norm,
     e_score_correction_bias."""
     trainable: bool = True
 
@@ -161,6 +162,25 @@ def tree_map(fn: Callable[[str, Any], Any], tree: Tree, prefix: str = "") -> Tre
     return fn(prefix[:-1], tree)
 
 
+def unflatten(flat: dict[str, Any]) -> Tree:
+    """The inverse of `tree_items`: {"a.b.0.c": x} -> {"a": {"b": [{"c": x}]}} (integer components become list
+    positions)."""
+    root: dict = {}
+    for path, v in flat.items():
+        node, parts = root, path.split(".")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+        node[parts[-1]] = v
+
+    def lists(n):
+        if not isinstance(n, dict):
+            return n
+        if n and all(k.isdigit() for k in n):
+            return [lists(n[str(i)]) for i in range(len(n))]
+        return {k: lists(v) for k, v in n.items()}
+    return lists(root)
+
+
 def to_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r}: expected one of {DTYPES}")
@@ -212,7 +232,7 @@ def _init_leaf(spec: Spec, cfg: ModelConfig, gen: torch.Generator) -> torch.Tens
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype: str | None = None, device: str | torch.device = "cpu", *,
                 draw_on_device: bool = False) -> Tree:
-    """A fresh parameter tree with the checkpoint's shapes and dtypes (Automodel's init, MODEL.md §9).
+    """A fresh parameter tree with the checkpoint's shapes and dtypes (the reference implementation's init, docs/numerics.md#init).
 
     Args:
         cfg: the model.

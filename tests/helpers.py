@@ -1,6 +1,8 @@
 """Shared test helpers."""
 
 import dataclasses
+import json
+import random
 
 import torch
 
@@ -15,6 +17,24 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def tiny(**changes) -> kimi.ModelConfig:
     return dataclasses.replace(kimi.preset("tiny"), **changes)
+
+
+def small_cfg() -> kimi.ModelConfig:
+    """2 layers (KDA + dense MLP, MLA + indexer + MoE), one attention-residual block per layer: every kind of
+    leaf the training code handles, cheap on a CPU."""
+    return tiny(num_hidden_layers=2, attn_res_block_size=1, index_topk=4,
+                linear_attn_config=dataclasses.replace(kimi.preset("tiny").linear_attn_config,
+                                                       kda_layers=(1,), full_attn_layers=(2,)))
+
+
+WORDS = "the model reads a token and writes the next one while the state decays".split()
+
+
+def write_corpus(path, n: int = 40) -> None:
+    """A .jsonl corpus of n short {"text": ...} documents of random words (drawn from torch's seed)."""
+    rng = random.Random(torch.initial_seed())
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 4)))})
+                            + "\n" for _ in range(n)))
 
 
 def without_indexer(cfg: kimi.ModelConfig) -> kimi.ModelConfig:

@@ -1,6 +1,6 @@
-"""Training-step throughput: tokens/s, MFU and peak memory of train.py's step (compiled layers, fp32 master weights
-with train.compiled_cast's gradient upcasts, bf16 compute, TF32 fp32 matmuls, the blockwise loss, fused AdamW,
-clipping) on one device, random weights.
+"""Training-step throughput: tokens/s, MFU and peak memory of train.py's step (`kimi.training.train_step` over the
+compiled layers, fp32 master weights with `kimi.training.compiled_cast`'s gradient upcasts, bf16 compute, TF32 fp32
+matmuls, the blockwise loss, fused AdamW, clipping) on one device, random weights.
 
     python tests/bench/train.py                                  # one H200: K3.1 Pro widths, 4 layers, 8 experts
     python tests/bench/train.py --device cpu --preset tiny --batch 2 --seq 64 --steps 2
@@ -10,19 +10,19 @@ The scaled preset (default `k3_1_pro`) keeps every per-layer width of the releas
 routing, indexer 64 x 128 top-2048, vocabulary 163840) and its layer pattern (a dense first layer, KDA, gated MLA
 every 4th and last), with fewer layers and fewer routed experts so that weights, gradients and AdamW state (16
 bytes a parameter) plus the bf16 weight copies and activations fit one GPU: 4 layers and 8 experts (top-8) are
-6.0B parameters, ~96 GB of training state (16 experts, top-16: 6.8B, ~109 GB, tight at 4096 tokens). With top-k
-equal to the expert count every expert GEMM sees all B·T rows (its width is the release's; how many rows an
-expert gets in the release depends on the batch and expert parallelism).
+6.0B parameters, ~96 GB of training state (16 experts, top-16: 6.8B, ~109 GB). With top-k equal to the expert
+count every expert GEMM sees all B·T rows (its width is the release's; how many rows an expert gets in the release
+depends on the batch and expert parallelism).
 
-Model FLOPs per token: `train.model_flops_per_token` (6 x active matmul parameters, plus the attention,
-KDA-state and indexer terms, documented there). MFU = tokens/s x FLOPs per token / peak (dense bf16: 989 TFLOP/s
-on an H100/H200). Timing: `--warmup` steps (compilation), then the median of `--steps` steps, synchronized.
+Model FLOPs per token: `kimi.training.model_flops_per_token` (6 x active matmul parameters, plus the attention,
+KDA-state and indexer terms, documented there). MFU = tokens/s x FLOPs per token / peak (`kimi.training.peak_flops`,
+dense bf16). Timing: `--warmup` steps (compilation), then the median of `--steps` steps, synchronized.
 A step is `--accum` forward+backward passes of B x T tokens (one table row per count given), then clipping and
 one AdamW update: the optimizer's fixed cost (it reads and writes 28 bytes a parameter; the embedding and head are
 2.35B of the 6.0B parameters at 4 layers) is spread over accum x B x T tokens, as in training with a global batch
-larger than one micro-batch. The accumulated fp32 gradients (22 GiB at 6.0B parameters) stay resident through
-the following micro-batches: a count that runs out of memory with the loss keeping its bf16 logits is retried
-with them recomputed (the `logits` column says which). H200 results: README.md.
+larger than one micro-batch. The accumulated fp32 gradients (4 bytes a parameter) stay resident through the
+following micro-batches: a count that runs out of memory with the loss keeping its bf16 logits is retried with
+them recomputed (the `logits` column says which).
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the package of this checkout
 import kimi  # noqa: E402
-import train  # noqa: E402
 from kimi.config import scaled  # noqa: E402
-from kimi.params import param_specs, tree_items  # noqa: E402
+from kimi.training import (adamw, compiled_loss, fp32_paths, loss_sum, model_flops_per_token,  # noqa: E402
+                           peak_flops, train_step, trainable_named)
 
 
 def bench(a) -> list[dict]:
@@ -53,29 +52,24 @@ def bench(a) -> list[dict]:
     torch.manual_seed(0)
     # fp32 master weights drawn on the device (fast for billions of parameters; the values only need to be sane)
     params = kimi.init_params(cfg, seed=0, dtype="float32", device=device, draw_on_device=True)
-    named = {p: v for p, v in tree_items(params) if v.requires_grad}
-    opt = torch.optim.AdamW(list(named.values()), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0,
-                            fused=device.type == "cuda")
-    fp32_paths = frozenset(p for p, s in tree_items(param_specs(cfg)) if s.fp32)
-    backend = kimi.Backend(attn=a.attn, kda=a.kda, moe="grouped", mla_form=a.mla_form)
+    named = trainable_named(params, {})
+    opt = adamw(named, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=device.type == "cuda")
+    backend = kimi.Backend(attn=a.attn, kda=a.kda, moe=a.moe, mla_form=a.mla_form)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if a.tf32 else "highest")
-    fn = train.compiled_loss(a.compile_scope, master_cast=a.cast == "compiled") if use_compile else train.loss_sum
+    fn = compiled_loss(a.compile_scope, master_cast=a.cast == "compiled") if use_compile else loss_sum
     V, B, T = cfg.vocab_size, a.batch, a.seq
     ids = torch.randint(0, V, (B, T), device=device)
     labels = torch.roll(ids, -1, dims=1)
     doc = torch.zeros_like(ids)
+    step_kw = dict(cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(cfg), lora_scale=1.0)
 
-    def step(accum: int, keep_logits: int = 1 << 30) -> tuple[Tensor, Tensor]:
-        for _ in range(accum):   # the same micro-batch each time: only the timing matters here
-            s = fn(params, {}, ids, labels, doc, cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths,
-                   lora_scale=1.0, keep_logits=keep_logits)
-            (s / (accum * B * T)).backward()
-        grads = [p for p in named.values() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
-        train.clipped_step(opt, grads, norm, 1.0)
-        opt.zero_grad(set_to_none=True)
-        return s.detach() / (B * T), norm   # the last micro-batch's mean loss, the gradient norm
+    def step(accum: int, keep_logits: int = 1 << 30):
+        """train.py's optimizer step over `accum` micro-batches: the same one each time (only the timing matters)."""
+        def micro_loss(*batch):
+            return fn(params, {}, *batch, **step_kw, keep_logits=keep_logits)
+        return train_step(micro_loss, [(ids, labels, doc)] * accum, opt, named.values(), label_tokens=accum * B * T,
+                          grad_clip=1.0)
 
     def sync():
         if device.type == "cuda":
@@ -83,18 +77,18 @@ def bench(a) -> list[dict]:
 
     t0 = time.perf_counter()
     for i in range(a.warmup):   # the loss is a sanity check: ~ln(V) at the start on random tokens, finite
-        loss, norm = step(1)
+        result = step(1)
         sync()
         mem = ""
         if device.type == "cuda":
             mem = (f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated after it, peak "
                    f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
             torch.cuda.reset_peak_memory_stats(device)
-        print(f"  warm-up step {i + 1}/{a.warmup} done at {time.perf_counter() - t0:.0f} s, loss {float(loss):.4f} "
-              f"(ln V = {math.log(V):.4f}), grad norm {float(norm):.4g}{mem}", flush=True)
+        print(f"  warm-up step {i + 1}/{a.warmup} done at {time.perf_counter() - t0:.0f} s, loss {result.loss:.4f} "
+              f"(ln V = {math.log(V):.4f}), grad norm {result.grad_norm:.4g}{mem}", flush=True)
     warm_s = time.perf_counter() - t0
-    flops = train.model_flops_per_token(cfg, T)
-    peak = train.peak_flops(device)
+    flops = model_flops_per_token(cfg, T)
+    peak = peak_flops(device)
     rows = []
 
     def timed(accum: int, keep_logits: int) -> dict:
@@ -104,14 +98,16 @@ def bench(a) -> list[dict]:
         for _ in range(a.steps):
             sync()
             t = time.perf_counter()
-            step(accum, keep_logits)
+            if not step(accum, keep_logits).finite:   # skipped, so not a whole step: say so
+                print(f"  {accum} micro-batches: a non-finite loss or gradient, the optimizer step was skipped",
+                      flush=True)
             sync()
             times.append(time.perf_counter() - t)
         step_s = statistics.median(times)
         tps = accum * B * T / step_s
         return dict(
             model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
-                  f"kda={a.kda} cast={a.cast} tf32={'on' if a.tf32 else 'off'}",
+                  f"kda={a.kda} moe={a.moe} cast={a.cast} tf32={'on' if a.tf32 else 'off'}",
             params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
             shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}",
             logits="kept" if B * T * V <= keep_logits else "recomputed",
@@ -121,9 +117,9 @@ def bench(a) -> list[dict]:
             peak_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan)
 
     for accum in a.accum:
-        # The accumulated fp32 gradients stay resident through the next micro-batches (22 GiB at 6.0B parameters):
-        # where that no longer fits, the row is tried again with the loss recomputing its logits. (The retry is
-        # outside the `except`: its traceback holds the failed step's tensors.)
+        # The accumulated fp32 gradients stay resident through the next micro-batches: where that no longer fits,
+        # the row is tried again with the loss recomputing its logits. (The retry is outside the `except`: its
+        # traceback holds the failed step's tensors.)
         row = None
         for keep_logits in (1 << 30, 0):
             try:
@@ -170,23 +166,26 @@ def main():
     ap.add_argument("--experts", type=int, default=None, help="routed experts (default: 8 for the release presets)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
+    ap.add_argument("--attn", default="auto", choices=["auto", "eager", "sdpa"],
+                    help="train.py's --attn (auto: sdpa in the expanded form)")
     ap.add_argument("--kda", default="auto", choices=["auto", "chunk", "chunk_opaque", "chunk_triton"],
-                    help="auto: train.py's choice (chunk_triton on a GPU; on a CPU chunk_opaque compiled, chunk "
-                         "eager); chunk: traced by Inductor, "
-                         "the state pass a scan; chunk_opaque: the KDA chunk core as one opaque op (fast compile); "
-                         "chunk_triton: chunk with the state pass in Triton")
+                    help="train.py's --kda (auto: chunk_triton on a GPU; on a CPU chunk_opaque compiled, chunk "
+                         "eager); chunk: traced by Inductor, the state pass a scan; chunk_opaque: the KDA chunk core "
+                         "as one opaque op (fast compile); chunk_triton: chunk with the state pass in Triton")
+    ap.add_argument("--moe", default="auto", choices=["auto", "dense", "grouped", "gemv"],
+                    help="train.py's --moe (auto: grouped for float32/bfloat16 micro-batches)")
     ap.add_argument("--accum", type=int, nargs="+", default=[1],
                     help="micro-batches (of --batch x --seq) per optimizer step, as train.py's gradient accumulation; "
                          "several counts give one row each after one compilation")
-    ap.add_argument("--mla-form", default="expanded", choices=["expanded", "absorbed"])
+    ap.add_argument("--mla-form", default="auto", choices=["auto", "expanded", "absorbed"],
+                    help="train.py's --mla-form (auto: expanded without a cache)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="default: on for CUDA, off for CPU")
     ap.add_argument("--compile-scope", default="layers", choices=["layers", "model"],
                     help="layers: kimi.compile_layers (one graph per distinct layer); model: one fullgraph")
     ap.add_argument("--cast", default="compiled", choices=["compiled", "eager"],
-                    help="compile scope 'layers': the weight casts as compiled calls (train.compiled_cast, train.py's "
-                         "way) or eager")
+                    help="compile scope 'layers': the weight casts as compiled calls (kimi.training.compiled_cast, "
+                         "train.py's way) or eager")
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                     help="fp32 matmuls on TF32 tensor cores (train.py's --tf32)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -195,9 +194,6 @@ def main():
     a = ap.parse_args()
     if min(a.accum) < 1:
         ap.error(f"--accum counts must be at least 1, got {a.accum}")
-    if a.kda == "auto":
-        device = torch.device(a.device)
-        a.kda = train.auto_kda(device, a.compile if a.compile is not None else device.type == "cuda")
     if a.preset in ("k3", "k3_1_pro"):
         a.layers = a.layers or 4
         a.experts = a.experts or 8
