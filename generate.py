@@ -9,6 +9,7 @@ and written into a preallocated cache (`kimi.init_cache`) by the prefill, option
 feeds one token per row: KDA advances its recurrent state by one token, the indexer scores the new query against
 every cached index key and keeps the top-k, and sparse MLA attends over those cached latents. On a GPU the decode
 step is compiled per distinct layer and captured as one CUDA graph, and the prefill is compiled per distinct layer.
+The generation itself is `kimi.generation.generate`; this script reads the prompts and prints the tokens.
 """
 
 from __future__ import annotations
@@ -19,257 +20,15 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 import kimi
-from kimi.cache import check_room
+from kimi.generation import DEFAULT_BACKEND, GenerateError, Result, Sampling, generate
 from kimi.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
-
-class GenerateError(ValueError):
-    """Bad generation input: empty prompt, prompt longer than the cache, bad sampling settings."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.7
-    """0 means greedy (argmax)."""
-    top_k: int | None = None
-    """Keep only the k most likely tokens."""
-    top_p: float | None = None
-    """Keep the smallest set of tokens whose probability reaches p (nucleus sampling)."""
-    seed: int = 0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise GenerateError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise GenerateError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise GenerateError(f"top_p must lie in (0, 1], got {self.top_p}")
-
-
-def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None = None) -> Tensor:
-    """Next ids [B] from logits [B, V] (any float dtype; computed in fp32)."""
-    logits = logits.float()
-    if s.temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / s.temperature
-    if s.top_k is not None and s.top_k < logits.shape[-1]:
-        kth = logits.topk(s.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if s.top_p is not None and s.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        before = probs.cumsum(-1) - probs               # mass of the strictly more likely tokens
-        drop = before >= s.top_p                        # the first token is always kept (before = 0)
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
-    # Gumbel-max in its exponential form: argmax p / E with E ~ Exp(1) is a draw from p, with no host sync.
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / noise).argmax(-1)
-
-
-@dataclasses.dataclass
-class Result:
-    tokens: list[list[int]]        # generated ids per prompt (stop token included when one was hit)
-    stopped: list[bool]            # whether each row hit a stop id
-    prompt_tokens: int             # real (unpadded) prompt tokens
-    prefill_s: float
-    decode_s: float                # steps after the first two (compile / graph capture land in those)
-    decode_steps: int              # steps timed in decode_s
-    first_steps_s: float           # the first two decode steps
-    compiled: bool = False         # a compiled prefill's first call includes its compilation
-
-    def report(self) -> str:
-        B = len(self.tokens)
-        rate = ("compiled: a first call includes the compilation" if self.compiled else
-                f"{self.prompt_tokens / max(self.prefill_s, 1e-9):.0f} tokens/s")
-        lines = [f"prefill: {self.prompt_tokens} tokens in {self.prefill_s:.2f} s ({rate})"]
-        if self.decode_steps:
-            per_row = self.decode_steps / self.decode_s
-            lines.append(f"decode: {self.decode_steps} steps x {B} rows in {self.decode_s:.2f} s "
-                         f"({per_row:.1f} tokens/s per row, {per_row * B:.1f} tokens/s in all; the first 2 steps, "
-                         f"{self.first_steps_s:.2f} s, are not counted)")
-        return "\n".join(lines)
-
-
-class CudaGraphStep:
-    """`fn(params, ids, cache) -> Tensor` captured as one CUDA graph on its first CUDA call, then replayed.
-
-    Each call copies `ids` into the graph's static input and replays every kernel of the step with one launch; the
-    returned tensor is the graph's static output (read it before the next call). The replay reads the parameters
-    and reads and writes the cache's buffers at the addresses they had at capture, so both must keep their tensors
-    (`kimi.reset_cache` a cache, do not swap its buffers). Another cache or parameter tree (a different dict) or
-    another batch shape captures again; the captured ones are held until then, so their memory cannot be reused
-    under the graph. Each call checks the free cache slots on the host (the graph itself cannot raise) against a
-    host copy of `pos`: it is read from the device (a sync) only when its tensor was written outside the graph,
-    which autograd's version counter tells (prefill, `kimi.reset_cache`, `fill_`); a replay advances the copy. An
-    inference-mode `pos` has no counter and is read every call. (Writes the counter cannot see: `.data`, numpy or
-    DLPack writes, another captured graph on the same cache; an overflow then stops at the device's index check.)
-    The warm-up calls that compile and autotune run on a scratch cache that shares the MLA buffers
-    (the step rewrites the slot they touch) and copies the rest, so the real cache advances exactly once per call.
-    Off CUDA, `fn` is simply called."""
-
-    def __init__(self, fn: Callable, warmup: int = 2):
-        self.fn, self.warmup = fn, warmup
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.params: dict | None = None
-        self.cache: dict | None = None
-        self.ids: Tensor | None = None
-        self.out: Tensor | None = None
-        self.pos: tuple[Tensor, int, int] | None = None     # (pos tensor, its version counter, its value)
-
-    def __call__(self, params: dict, ids: Tensor, cache: dict) -> Tensor:
-        if ids.device.type != "cuda":
-            return self.fn(params, ids, cache)
-        pos = self._host_pos(cache["pos"])
-        check_room(pos, ids.shape[1], cache["max_len"])
-        if params is not self.params or cache is not self.cache or self.ids is None or \
-                self.ids.shape != ids.shape or self.ids.dtype != ids.dtype:
-            self._capture(params, ids, cache)
-            self._track(cache["pos"], pos)            # capturing bumped the counter, not the value
-        self.ids.copy_(ids)
-        self.graph.replay()
-        self._track(cache["pos"], pos + ids.shape[1])
-        return self.out
-
-    def _host_pos(self, t: Tensor) -> int:
-        if t.is_inference():
-            return int(t)
-        if self.pos is None or self.pos[0] is not t or self.pos[1] != t._version:
-            self.pos = (t, t._version, int(t))
-        return self.pos[2]
-
-    def _track(self, t: Tensor, value: int):
-        self.pos = None if t.is_inference() else (t, t._version, value)
-
-    def _capture(self, params: dict, ids: Tensor, cache: dict):
-        self.graph = self.out = self.ids = self.params = self.cache = self.pos = None   # release the previous one
-        shared = ("kv", "index_k")
-        scratch = {"pos": cache["pos"].clone(), "start": cache["start"], "max_len": cache["max_len"],
-                   "layers": [{k: t if k in shared else t.clone() for k, t in layer.items()}
-                              for layer in cache["layers"]]}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):      # compile, autotune and allocate outside the capture
-            for _ in range(self.warmup):
-                scratch["pos"].copy_(cache["pos"])
-                self.fn(params, ids, scratch)
-        torch.cuda.current_stream().wait_stream(side)
-        del scratch
-        self.ids = ids.clone()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self.fn(params, self.ids, cache)
-        self.params, self.cache = params, cache
-
-
-def make_steps(cfg: kimi.ModelConfig, backend: kimi.Backend, compile: bool,
-               compile_options: dict | None = None) -> tuple[Callable, Callable]:
-    """(prefill, decode): each takes (params, ids [B, T], cache) and returns the last position's logits [B, V]
-    in fp32.
-
-    Compiled, both run the decoder layers through `kimi.compile_layers`: one graph per distinct layer, so compile
-    time grows with the number of layer kinds, not with depth (the release's 93 layers are 7 graphs; one
-    whole-model graph would take many minutes). The prefill compiles for its first length and, on another length,
-    once more with dynamic shapes (Dynamo's automatic dynamic). On CUDA the whole decode step (embedding, every
-    layer, head) is then captured as one CUDA graph (`CudaGraphStep`): a step is one launch. `compile_options` go
-    to `torch.compile`."""
-    compile_options = compile_options or {}
-
-    def last_logits(forward):
-        def run(params, ids, cache):
-            logits, _ = forward(params, ids, cfg, backend, cache=cache)
-            return logits[:, -1].float()
-        return run
-
-    if not compile:
-        eager = last_logits(kimi.forward)
-        return eager, eager
-    # `mode` is dropped: "reduce-overhead" would put Inductor's own CUDA graphs inside the manual capture.
-    options = {"fullgraph": True} | {k: v for k, v in compile_options.items() if k != "mode"}
-    regional = last_logits(kimi.compile_layers(**options))
-    return regional, CudaGraphStep(regional)
-
-
-def generate(params: dict, cfg: kimi.ModelConfig, prompts: list[list[int]], *, max_new_tokens: int,
-             sampling: Sampling = Sampling(), stop_ids: tuple[int, ...] = (), backend: kimi.Backend | None = None,
-             max_len: int | None = None, prefill_chunk: int | None = None, compile: bool = False,
-             on_token: Callable[[Tensor], None] | None = None, steps: tuple[Callable, Callable] | None = None,
-             ) -> Result:
-    """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
-
-    Rows stop at any of `stop_ids`; the batch stops when every row has. `on_token(ids [B])` sees each step's tokens
-    (for streaming). `max_len` is the cache length (default: longest prompt + max_new_tokens)."""
-    backend = backend or kimi.Backend(mla_form="absorbed", kda="chunk_opaque")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise GenerateError("every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise GenerateError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    bad = [(b, t) for b, p in enumerate(prompts) for t in p if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise GenerateError(f"prompt {bad[0][0]} holds token id {bad[0][1]}, outside the model's vocabulary "
-                            f"[0, {cfg.vocab_size})")
-    T0 = max(len(p) for p in prompts)
-    max_len = max_len or T0 + max_new_tokens - 1
-    if T0 + max_new_tokens - 1 > max_len:   # the last sampled token is never fed back
-        raise GenerateError(f"the longest prompt ({T0} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
-                            f"cache length max_len={max_len}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise GenerateError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    emb = params["model"]["embed_tokens"]["weight"]
-    device, dtype = emb.device, emb.dtype
-    ids, start = kimi.left_pad(prompts, cfg.pad_token_id if cfg.pad_token_id is not None else 0)
-    ids = ids.to(device)
-    cache = kimi.init_cache(cfg, len(prompts), max_len, dtype=dtype, device=device, start=start.to(device))
-    prefill, decode = steps or make_steps(cfg, backend, compile)
-    gen = torch.Generator(device).manual_seed(sampling.seed)
-    stops = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
-
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    chunk = prefill_chunk or T0
-    for c0 in range(0, T0, chunk):
-        logits = prefill(params, ids[:, c0:c0 + chunk], cache)
-    sync()
-    prefill_s = time.perf_counter() - t0
-
-    B = len(prompts)
-    out = torch.empty(B, max_new_tokens, dtype=torch.int64, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    n = 0
-    first_steps_s, t_decode = 0.0, time.perf_counter()
-    for n in range(max_new_tokens):
-        if n == 2:
-            sync()
-            first_steps_s, t_decode = time.perf_counter() - t_decode, time.perf_counter()
-        nxt = sample(logits, sampling, gen)
-        out[:, n] = nxt
-        if on_token is not None:
-            on_token(nxt)
-        done |= torch.isin(nxt, stops)
-        if n + 1 == max_new_tokens or bool(done.all()):
-            break
-        logits = decode(params, nxt[:, None].clone(), cache)
-    sync()
-    # decode calls were made at n' = 0 .. n-1; the first two are compile / graph capture, the rest are timed
-    steps_timed = max(n - 2, 0)
-    decode_s = time.perf_counter() - t_decode if steps_timed else 0.0
-    tokens, stopped = [], []
-    stop_set = set(stop_ids)
-    for row in out[:, :n + 1].tolist():
-        cut = next((j for j, t in enumerate(row) if t in stop_set), None)
-        tokens.append(row if cut is None else row[:cut + 1])
-        stopped.append(cut is not None)
-    return Result(tokens=tokens, stopped=stopped, prompt_tokens=sum(map(len, prompts)), prefill_s=prefill_s,
-                  decode_s=decode_s, decode_steps=steps_timed, first_steps_s=first_steps_s, compiled=compile)
-
-
-# --------------------------------------------------------------------------------------------------------- CLI
 
 @dataclasses.dataclass
 class Args:
@@ -306,7 +65,9 @@ class Args:
     """auto: bfloat16 on CUDA, float32 on the CPU."""
     compile: bool | None = None
     """Compile the prefill and decode steps (default: on CUDA)."""
-    backend: kimi.Backend = kimi.Backend(mla_form="absorbed", kda="chunk_opaque")
+    backend: kimi.Backend = DEFAULT_BACKEND
+    """The implementations (`kimi.Backend`). Default: the KDA chunk core as one opaque op (a shorter compile of the
+    prefill), every other choice automatic."""
     stream: bool = True
     """Print tokens as they come (one prompt only)."""
     bos: bool = True

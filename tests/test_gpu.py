@@ -56,11 +56,11 @@ def test_cuda_compiled_forward_backward_equals_eager(kda):
 
 @pytest.mark.parametrize("inductor", [False, True])
 def test_generate_decode_cuda_graph_equals_eager(inductor):
-    """generate.py's compiled decode: layers compiled per kind, the whole step captured as one CUDA graph and
-    replayed. Each replay's logits equal eager decode on a copy of the cache, the cache advances once per call
-    (the warm-up that compiles runs on a scratch copy), and a greedy generate() gives the eager tokens. Dynamo's
-    eager backend isolates the capture logic; Inductor adds the generated kernels."""
-    import generate as gen
+    """kimi.generation's compiled decode (generate.py's): layers compiled per kind, the whole step captured as one
+    CUDA graph and replayed. Each replay's logits equal eager decode on a copy of the cache, the cache advances once
+    per call (the warm-up that compiles runs on a scratch copy), and a greedy generate() gives the eager tokens.
+    Dynamo's eager backend isolates the capture logic; Inductor adds the generated kernels."""
+    from kimi import generation as gen
     from kimi.config import KDAConfig
     cfg = tiny(num_hidden_layers=2, attn_res_block_size=1, index_topk=4, index_rope_dim=8,
                linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
@@ -104,25 +104,25 @@ def test_generate_decode_cuda_graph_equals_eager(inductor):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_head_loss_equals_float64(dtype):
-    """train.py's blockwise head loss on a GPU, where each block's softmax statistics and logits gradient are
-    generated kernels (compiled, dynamic block width and offset): loss and both gradients against float64
+    """The blockwise head loss (kimi/loss.py) on a GPU, where each block's softmax statistics and logits gradient
+    are generated kernels (compiled, dynamic block width and offset): loss and both gradients against float64
     cross-entropy, logits kept and recomputed, ragged last block, ignored rows."""
-    import train
+    from kimi.loss import IGNORE, token_loss_sum
     N, D, V = 300, 64, 1000
     h = torch.randn(N, D, dtype=torch.float64)
     w = torch.randn(V, D, dtype=torch.float64) * 0.3
     labels = torch.randint(0, V, (N,))
-    labels[::7] = train.IGNORE
+    labels[::7] = IGNORE
     labels[1], labels[2] = 0, V - 1
     h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
-    want = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, ignore_index=train.IGNORE, reduction="sum")
+    want = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, ignore_index=IGNORE, reduction="sum")
     (want / N).backward()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for keep_logits in (0, N * V):
         hd = h.to("cuda", dtype).requires_grad_()
         wd = w.to("cuda", dtype).requires_grad_()
         # blocks of 256 words (not N: Dynamo would specialize on width == rows) and a ragged last one of 232
-        got = train.token_loss_sum(hd[None], wd, labels.cuda()[None], block_logits=N * 256, keep_logits=keep_logits)
+        got = token_loss_sum(hd[None], wd, labels.cuda()[None], block_logits=N * 256, keep_logits=keep_logits)
         (got / N).backward()
         assert got.dtype == torch.float32 and rel_err(got.cpu(), want) < max(tol, 1e-6)
         assert rel_err(hd.grad.cpu(), h64.grad) < tol and rel_err(wd.grad.cpu(), w64.grad) < tol

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kimi  # noqa: E402
 from kimi.config import scaled  # noqa: E402
+from kimi.generation import make_steps  # noqa: E402
 from kimi.params import param_specs, tree_items  # noqa: E402
 
 
@@ -108,8 +109,7 @@ def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "gr
     if not compile:
         fn = step
     elif mode == "graph":      # what generate.py runs: regional compile, the whole step as one CUDA graph
-        import generate
-        fn = generate.make_steps(cfg, backend, True)[1]
+        fn = make_steps(cfg, backend, True)[1]
     else:                      # one fullgraph of the whole step under cudagraph trees
         fn = torch.compile(step, fullgraph=True, mode="reduce-overhead")
         kimi.mark_static(cache)
