@@ -68,3 +68,14 @@ def test_module_imports_alone(module):
     out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
                          cwd=PKG.parent, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_no_two_callables_share_a_name_with_different_signatures():
+    """A name means one contract across the package (the dispatch points share their op's signature)."""
+    seen: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name != "_":
+                seen.setdefault(node.name, set()).add(ast.unparse(node.args))
+    clashes = {name: sigs for name, sigs in seen.items() if len(sigs) > 1}
+    assert not clashes, clashes

@@ -11,7 +11,7 @@
 #                                                          # micro-batches
 #   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
-#   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles: tight in 580 s)
+#   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles)
 #   bash tests/bench/gpu_all.sh fsdp-fp32                  # fsdp-eager in fp32 without TF32: parity to rounding
 # Each part prints "<part> rc=<exit code> <seconds> s" at the end of its file; rc 124 means it hit its limit.
 set -u
@@ -28,8 +28,9 @@ run() {  # run <part> <seconds> <command...>
 }
 for part in "$@"; do
   case $part in
-    tests) run tests 560 python -m pytest -q -x tests/test_kernels.py tests/test_gpu.py \
-             tests/test_decode.py::test_decode_step_cuda_graphs "tests/test_kda.py" -k "not test_kda.py or triton" ;;
+    tests) run tests 560 python -m pytest -q -x tests/test_delta_rule_triton.py tests/test_experts_triton.py \
+             tests/test_gpu.py tests/test_decode.py::test_decode_step_cuda_graphs tests/test_delta_rule.py \
+             -k "not test_delta_rule.py or triton" ;;
     decode) run decode 120 python -W ignore tests/bench/decode.py ;;
     profile) run profile 220 python -W ignore tests/bench/decode.py --profile ;;
     generate)
