@@ -27,7 +27,7 @@ def _k3_layer_lists(num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 @dataclass(frozen=True, kw_only=True)
 class KDAConfig:
-    """`linear_attn_config`: the KDA layers and which layers they are ."""
+    """`linear_attn_config`: the KDA layers and which layers they are."""
 
     num_heads: int
     head_dim: int

@@ -28,7 +28,7 @@ class Document:
 def default_corpus() -> list[Path]:
     """The project's own text: the kimi package's source files and the README, a small demo corpus."""
     root = Path(__file__).parent
-    files = sorted(root.glob("*.py"))
+    files = sorted(root.rglob("*.py"))
     readme = root.parent / "README.md"
     return files + ([readme] if readme.is_file() else [])
 

@@ -156,7 +156,7 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
             return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache,
                             layer=layer, stacked=True, head=head or cache is not None)
 
-    regional_forward.__doc__ = forward.__doc__
+    regional_forward.__doc__ = "`kimi.forward` (without `layer=`) with its decoder layers compiled per plan."
     return regional_forward
 
 

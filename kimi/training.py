@@ -166,6 +166,8 @@ def train_step(micro_loss: Callable[[Tensor, Tensor, Tensor], Tensor],
         s = micro_loss(input_ids, labels, document_ids)
         (s * (world / max(label_tokens, 1))).backward()
         total = s.detach().double() if total is None else total + s.detach().double()
+    if total is None:
+        raise ValueError("train_step needs at least one micro-batch")
     if world > 1:
         dist.all_reduce(total)
     loss = (total / max(label_tokens, 1)).item()

@@ -87,3 +87,19 @@ def write_tiktoken_model(ranks: dict[bytes, int], path) -> None:
 
     lines = (f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
     path.write_text("\n".join(lines) + "\n")
+
+
+def resets(B: int, T: int, positions) -> torch.Tensor:
+    """reset [B, T] bool, True at the given positions of each row (those < T): document starts for KDA."""
+    r = torch.zeros(B, T, dtype=torch.bool)
+    for b, ps in enumerate(positions):
+        r[b, [p for p in ps if p < T]] = True
+    return r
+
+
+def router_params(cfg: kimi.ModelConfig, dtype=torch.float64) -> dict:
+    """A router with a spread of scores and a nonzero choice bias."""
+    E, D = cfg.num_experts, cfg.hidden_size
+    return {"weight": torch.randn(E, D, dtype=dtype) * 0.3,
+            "e_score_correction_bias": torch.randn(E, dtype=dtype) * 0.3}
+

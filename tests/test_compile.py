@@ -5,7 +5,7 @@ bounded over a sweep of lengths and batch sizes.
 Graph capture (Dynamo + AOTAutograd, which traces forward and backward) is tested for the whole backend matrix with
 the `aot_eager_decomp_partition` backend: the graphs Inductor would see (its decompositions, the fwd/bwd
 partition), run by eager kernels. Inductor code generation, which costs minutes of C++ compilation on 2 cores, runs
-once on the default backend. Compile tests use a 2-layer model (KDA + dense MLP, gated MLA with indexer + MoE)
+once, on the traced chunk core. Compile tests use a 2-layer model (KDA + dense MLP, gated MLA with indexer + MoE)
 that keeps every kind of layer, and sequences of two KDA chunks (T > 64) so the chunk hand-off scan really loops.
 """
 
@@ -24,7 +24,7 @@ from kimi.model import document_runs
 
 CFG = tiny(num_hidden_layers=2, attn_res_block_size=1,
            linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
-BACKENDS = [kimi.Backend(), kimi.Backend(attn="eager", kda="recurrent", moe="dense"),
+BACKENDS = [kimi.Backend(kda="chunk"), kimi.Backend(attn="eager", kda="recurrent", moe="dense"),
             kimi.Backend(attn="eager", mla_form="absorbed", kda="chunk", moe="dense"),
             kimi.Backend(kda="chunk_opaque"), kimi.Backend(kda="chunk_triton")]
 
@@ -216,12 +216,12 @@ def test_fullgraph_forward_backward_equals_eager(params, backend):
 
 
 def test_inductor_forward_backward_equals_eager(params):
-    """The default backend through Inductor's generated code (the slow one: C++ compilation). T = 128 is two full
+    """The traced chunk core through Inductor's generated code (the slow one: C++ compilation). T = 128 is two full
     KDA chunks: nothing is padded, so the gradient reaching the chunk hand-off scan keeps the consumer's
-    [B, T, H, V] layout; before `kimi.kda._ContiguousGrad` this failed to compile ("Cannot view a tensor with
-    shape [2, 4, 64, 32] and strides (16384, 32, 128, 1) as (8, 64, 32)")."""
+    [B, T, H, V] layout; without `kimi.ops.delta_rule._ContiguousGrad` this fails to compile ("Cannot view a
+    tensor with shape [2, 4, 64, 32] and strides (16384, 32, 128, 1) as (8, 64, 32)")."""
     ids, doc = _batch(2, 128)
-    backend = kimi.Backend()
+    backend = kimi.Backend(kda="chunk")
     compiled = torch.compile(kimi.forward, fullgraph=True)
     out, grads = _loss_and_grads(params, ids, doc, backend, compiled)
     _assert_as_accurate_as_eager(params, ids, doc, backend, out, grads, out_tol=1e-6)
@@ -238,7 +238,7 @@ def test_recompiles_are_bounded_over_lengths_and_batches(params):
     Dynamo's decision (its guards), so Dynamo's `eager` backend counts them without paying for AOT tracing;
     compiled == eager through AOT and Inductor is tested above."""
     compiled = torch.compile(kimi.forward, fullgraph=True, dynamic=True, backend="eager")
-    backend = kimi.Backend()
+    backend = kimi.Backend(kda="chunk")   # the scan over chunks, whose length stays symbolic
 
     def check(B, T):
         ids, doc = _batch(B, T)

@@ -50,7 +50,7 @@ def test_selection_matters(params64):
     assert rel_err(sparse[:, :4], dense[:, :4]) < TOL64      # up to 4 keys everything is selected
 
 
-@pytest.mark.parametrize("backend", F64, ids=["eager-expanded-recurrent", "sdpa-absorbed-chunk"])
+@pytest.mark.parametrize("backend", F64, ids=["eager-expanded-recurrent", "eager-absorbed-chunk"])
 def test_prefill_then_decode_equals_forward(params64, backend):
     B, T0, N = 2, 7, 6
     ids = _ids(B, T0 + N)

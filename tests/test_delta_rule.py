@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import kimi
-from helpers import rel_err, tiny
+from helpers import rel_err, resets, tiny
 from kimi import kda
 from kimi.ops import delta_rule
 from kimi.ops.registry import triton_available
@@ -58,13 +58,6 @@ def _inputs(B, T, H, K, V, regime="logsigmoid", dtype=F64, seed=None):
 def _run(name, x, scale=0.25, **kw):
     return CORES[name](x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale,
                        initial_state=x.get("initial_state"), **kw)
-
-
-def _resets(B, T, positions) -> torch.Tensor:
-    r = torch.zeros(B, T, dtype=torch.bool)
-    for b, ps in enumerate(positions):
-        r[b, [p for p in ps if p < T]] = True
-    return r
 
 
 def _per_document(x, reset, scale=0.25):
@@ -141,7 +134,7 @@ def test_chunk_fp32_gradients_finite_and_close(regime):
     they track the float64 recurrence (measured ~2e-7)."""
     B, T, H, K, V = 1, 100, 2, 16, 8
     x = _inputs(B, T, H, K, V, regime)
-    reset = _resets(B, T, [[3, 17, 18, 64, 90]])
+    reset = resets(B, T, [[3, 17, 18, 64, 90]])
     do, dS = torch.randn(B, T, H, V, dtype=F64), torch.randn(B, H, K, V, dtype=F64)
     ref = _grads("recurrent", _leaves(x), do, dS, reset=reset)
     got = _grads("chunk", _leaves({n: t.float() for n, t in x.items()}), do.float(), dS.float(), reset=reset)
@@ -159,7 +152,7 @@ def test_opaque_chunk_op_equals_recurrence_with_gradients(h0):
     x = _inputs(B, T, H, K, V, "m1000")
     if not h0:
         x["initial_state"] = None
-    reset = _resets(B, T, [[5, 40], [64]])
+    reset = resets(B, T, [[5, 40], [64]])
     x = {n: t for n, t in x.items() if t is not None}
     do, dS = torch.randn(B, T, H, V, dtype=F64), torch.randn(B, H, K, V, dtype=F64)
     ref = _grads("recurrent", _leaves(x), do, dS, reset=reset)
@@ -207,7 +200,7 @@ def test_triton_chunk_equals_recurrence_with_gradients(h0, regime):
     if not h0:
         x["initial_state"] = None
     x = {n: t for n, t in x.items() if t is not None}
-    reset = _resets(B, T, [[5, 40], [64]])
+    reset = resets(B, T, [[5, 40], [64]])
     do, dS = torch.randn(B, T, H, V, dtype=F64), torch.randn(B, H, K, V, dtype=F64)
     ref = _grads("recurrent", _leaves(x), do, dS, reset=reset)
     o_ref, S_ref = _run("recurrent", x, reset=reset)
@@ -264,7 +257,7 @@ def test_bf16_inputs_give_bf16_output_and_fp32_state():
 def test_resets_equal_separate_documents(data, T, chunk_size, regime, seed):
     """for packed rows: each document runs as if alone (state zeroed at its start)."""
     pos = st.lists(st.integers(0, T - 1), max_size=8)
-    reset = _resets(2, T, [data.draw(pos), data.draw(pos)])
+    reset = resets(2, T, [data.draw(pos), data.draw(pos)])
     x = _inputs(2, T, 2, 16, 8, regime, seed=seed)
     o_ref, S_ref = _per_document(x, reset)
     for name in CORES:
@@ -280,7 +273,7 @@ def test_resets_equal_separate_documents(data, T, chunk_size, regime, seed):
 @pytest.mark.parametrize("regime", ["bounded", "m1000"])
 def test_resets_structured_cases(positions, regime):
     T = 130
-    reset = _resets(2, T, positions)
+    reset = resets(2, T, positions)
     x = _inputs(2, T, 2, 16, 8, regime)
     o_ref, S_ref = _per_document(x, reset)
     for name in CORES:
@@ -293,7 +286,7 @@ def test_gradients_do_not_cross_documents(name):
     """A loss on one document's outputs has zero gradient w.r.t. every input of the other documents."""
     B, T, H, K, V = 1, 100, 2, 16, 8
     starts = [0, 20, 45, 64, 70]
-    reset = _resets(B, T, [starts[1:]])
+    reset = resets(B, T, [starts[1:]])
     x = _leaves(_inputs(B, T, H, K, V, "bounded"))
     d = torch.randint(len(starts), ()).item()
     lo, hi = starts[d], (starts + [T])[d + 1]

@@ -4,15 +4,10 @@ released inference code, the grouped path's gradients against the dense referenc
 import pytest
 import torch
 
-from helpers import rel_err, tiny
+from helpers import rel_err, router_params, tiny
 from kimi.common import situ_glu
 from kimi.moe import route
 from kimi.ops.experts import moe_experts_dense, moe_experts_grouped
-
-
-def _router(cfg, dtype=torch.float64):
-    E, D = cfg.num_experts, cfg.hidden_size
-    return {"weight": torch.randn(E, D, dtype=dtype) * 0.3, "e_score_correction_bias": torch.randn(E, dtype=dtype) * 0.3}
 
 
 def _experts(cfg, dtype):
@@ -49,7 +44,7 @@ def test_experts_match_loop_reference(impl):
                      torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2), _experts(cfg, dtype), cfg)
             continue
         z = torch.randn(24, cfg.routed_expert_hidden_size, dtype=dtype)
-        idx, w = route(_router(cfg, torch.float32), torch.randn(24, cfg.hidden_size), cfg)
+        idx, w = route(router_params(cfg, torch.float32), torch.randn(24, cfg.hidden_size), cfg)
         ex = _experts(cfg, dtype)
         assert rel_err(_run(impl, z, idx, w, ex, cfg), _loop_reference(z, idx, w, ex, cfg)) < tol
 
@@ -57,7 +52,7 @@ def test_experts_match_loop_reference(impl):
 def test_grouped_gradients_equal_dense():
     cfg = tiny()
     z0 = torch.randn(40, cfg.routed_expert_hidden_size)
-    idx, w0 = route(_router(cfg, torch.float32), torch.randn(40, cfg.hidden_size), cfg)
+    idx, w0 = route(router_params(cfg, torch.float32), torch.randn(40, cfg.hidden_size), cfg)
     ex0 = _experts(cfg, torch.float32)
     probe = torch.randn(40, cfg.routed_expert_hidden_size)
     grads = []

@@ -100,7 +100,7 @@ def test_compiled_steps_equal_eager():
     params = kimi.init_params(cfg, seed=5)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (10, 4)]   # two prefill chunks of 5
     ref = gen.generate(params, cfg, prompts, max_new_tokens=4, sampling=gen.Sampling(temperature=0))
-    steps = gen.make_steps(cfg, kimi.Backend(mla_form="absorbed"), True,
+    steps = gen.make_steps(cfg, kimi.Backend(mla_form="absorbed", kda="chunk"), True,
                            {"backend": "eager", "mode": None, "dynamic": False})
     got = gen.generate(params, cfg, prompts, max_new_tokens=4, sampling=gen.Sampling(temperature=0), steps=steps,
                        compile=True, prefill_chunk=5, max_len=30)

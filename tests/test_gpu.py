@@ -17,7 +17,8 @@ def test_cuda_forward_matches_cpu_float64():
     ref = kimi.forward(kimi.init_params(cfg, seed=0, dtype="float64"), ids, cfg,
                        kimi.Backend(attn="eager", kda="chunk", moe="dense"))
     p32 = kimi.init_params(cfg, seed=0, dtype="float32", device="cuda")
-    for backend in (kimi.Backend(), kimi.Backend(attn="eager", kda="recurrent", mla_form="absorbed")):
+    for backend in (kimi.Backend(kda="chunk"), kimi.Backend(),
+                    kimi.Backend(attn="eager", kda="recurrent", mla_form="absorbed")):
         out = kimi.forward(p32, ids.cuda(), cfg, backend)
         assert rel_err(out.cpu(), ref) < 1e-3      # TF32 matmuls may be on; fp32 CPU is tested at 1e-4
 

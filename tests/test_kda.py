@@ -9,20 +9,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import kimi
-from helpers import rel_err, tiny
+from helpers import rel_err, resets, tiny
 from kimi import kda
 from kimi.config import Backend
 
 F64 = torch.float64
 SEEDS = st.integers(0, 2**31 - 1)
 CORES = ("recurrent", "chunk")
-
-
-def _resets(B, T, positions) -> torch.Tensor:
-    r = torch.zeros(B, T, dtype=torch.bool)
-    for b, ps in enumerate(positions):
-        r[b, [p for p in ps if p < T]] = True
-    return r
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, F64])
@@ -67,7 +60,7 @@ def test_short_conv_restarts_at_resets(T, data, W, seed):
     gen = torch.Generator().manual_seed(seed)
     x, w = torch.randn(2, T, 5, dtype=F64, generator=gen), torch.randn(5, 1, W, generator=gen)
     pos = st.lists(st.integers(0, T - 1), max_size=6)
-    reset = _resets(2, T, [data.draw(pos), data.draw(pos)])
+    reset = resets(2, T, [data.draw(pos), data.draw(pos)])
     y = kda.short_conv(x, w, reset)
     for b in range(2):
         starts = sorted({0} | set(reset[b].nonzero().flatten().tolist()))
@@ -118,7 +111,7 @@ def test_layer_resets_equal_separate_documents(variant, name):
     cfg, p = _layer_setup(variant)
     T = 90
     x = torch.randn(2, T, cfg.hidden_size, dtype=F64)
-    reset = _resets(2, T, [[10, 11, 64, 70], [0, 33]])
+    reset = resets(2, T, [[10, 11, 64, 70], [0, 33]])
     backend = Backend(kda=name)
     y = kda.kda_layer(p, x, cfg, backend, reset=reset)
     for b in range(2):
@@ -133,7 +126,7 @@ def test_layer_backends_agree_and_fp32_matches_fp64():
     _, p32 = _layer_setup(dtype="float32", seed=seed)
     p32 = {**p32, "dt_bias": p64["dt_bias"].float()}
     x = torch.randn(2, 70, cfg.hidden_size, dtype=F64)
-    reset = _resets(2, 70, [[20], []])
+    reset = resets(2, 70, [[20], []])
     ref = kda.kda_layer(p64, x, cfg, Backend(kda="recurrent"), reset=reset)
     assert rel_err(kda.kda_layer(p64, x, cfg, Backend(kda="chunk"), reset=reset), ref) < 1e-12
     for name in CORES:

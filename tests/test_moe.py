@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import kimi
-from helpers import rel_err, tiny
+from helpers import rel_err, router_params, tiny
 from kimi.common import situ_glu
 from kimi.moe import latent_moe, route
 
@@ -26,17 +26,12 @@ def test_situ_closed_form_saturation_and_clamp():
     assert situ_glu(torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16), 4.0, 25.0).dtype == torch.bfloat16
 
 
-def _router(cfg, dtype=torch.float64):
-    E, D = cfg.num_experts, cfg.hidden_size
-    return {"weight": torch.randn(E, D, dtype=dtype) * 0.3, "e_score_correction_bias": torch.randn(E, dtype=dtype) * 0.3}
-
-
 @settings(max_examples=20)
 @given(groups=st.sampled_from([(1, 1), (2, 1), (4, 2)]), renorm=st.booleans(), scale=st.sampled_from([1.0, 2.5]))
 def test_router_against_brute_force(groups, renorm, scale):
     G, tg = groups
     cfg = tiny(num_expert_group=G, topk_group=tg, moe_renormalize=renorm, routed_scaling_factor=scale)
-    p = _router(cfg)
+    p = router_params(cfg)
     x = torch.randn(16, cfg.hidden_size, dtype=torch.float64)
     idx, w = route(p, x, cfg)
     s = torch.sigmoid(x @ p["weight"].T)
@@ -59,7 +54,7 @@ def test_router_against_brute_force(groups, renorm, scale):
 
 def test_bias_changes_choice_but_not_weights():
     cfg = tiny(moe_renormalize=False)
-    p = _router(cfg)
+    p = router_params(cfg)
     x = torch.randn(32, cfg.hidden_size, dtype=torch.float64)
     idx0, w0 = route({**p, "e_score_correction_bias": torch.zeros_like(p["e_score_correction_bias"])}, x, cfg)
     big = torch.zeros_like(p["e_score_correction_bias"])

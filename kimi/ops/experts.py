@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..common import compute_dtype, situ_glu
 from . import experts_triton
-from .registry import traceable, triton_available
+from .registry import traceable
 
 # ---------------------------------------------------------------------------------------------- opaque: grouped_mm
 
@@ -78,10 +78,8 @@ grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_inputs)
 @torch.library.custom_op("kimi::moe_gemv", mutates_args=())
 def moe_gemv(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """Rows offs[e-1]:offs[e] of x [N, K] times w[e]ᵀ (w [E, M, K], any strides) -> [N, M]: `grouped_mm(x,
-    w.transpose(1, 2), offs)` for a few rows, as the Triton kernel where it can run, else its reference."""
-    if triton_available(x.device):
-        return experts_triton.moe_gemv_triton(x, w, offs)
-    return experts_triton.moe_gemv_reference(x, w, offs)
+    w.transpose(1, 2), offs)` for a few rows, as the Triton kernel (a CUDA tensor, or TRITON_INTERPRET=1)."""
+    return experts_triton.moe_gemv_triton(x, w, offs)
 
 
 @moe_gemv.register_fake

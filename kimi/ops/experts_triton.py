@@ -72,7 +72,8 @@ def moe_gemv_triton(x: Tensor, w: Tensor, offs: Tensor, *, block_m: int | None =
     """The Triton kernel of `moe_gemv_reference` (same contract; w may be any strided view). Block shapes are
     autotuned on a GPU unless given (the interpreter uses 64 x 128 by default)."""
     if not triton_available(x.device):
-        raise RuntimeError("moe_gemv_triton needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
+        raise RuntimeError("moe_gemv_triton needs Triton and a CUDA tensor (or TRITON_INTERPRET=1); "
+                           "Backend(moe='grouped') runs anywhere")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         raise ValueError(f"moe_gemv_triton: x and w must share a float32/bfloat16/float16 dtype, got {x.dtype}, "
                          f"{w.dtype}")
