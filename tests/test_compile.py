@@ -101,6 +101,8 @@ def _op_samples():
     ex = [torch.randn(E, m, Z) * 0.2, torch.randn(E, Z, m) * 0.2, torch.randn(E, m, Z) * 0.2]
     offs = torch.tensor([3, 3, 9, 12], dtype=torch.int32)
     k_ops = torch.ops.kimi
+    qg, latent = r(B, T, 2, 12), r(B, T, 12)
+    gidx = torch.tensor([[[0, -1], [1, 0], [2, 1], [3, -1], [4, 2], [5, 0]]] * B, dtype=torch.int32)
     f32s = lambda ts: tuple(t.float() for t in ts)
     return {   # name: (op, positional args, keyword args)
         "kda_recurrent": (k_ops.kda_recurrent.default, (q, k, v, g, beta, s0, reset), dict(scale=0.3)),
@@ -125,6 +127,10 @@ def _op_samples():
                             dict(scale=cfg.softmax_scale)),
         "sparse_mla_absorbed": (k_ops.sparse_mla_absorbed.default, (qm, c, kpe, kvb, visible_keys(seg), idx),
                                 dict(scale=cfg.softmax_scale)),
+        "sparse_mla_gather": (k_ops.sparse_mla_gather.default, (qg, latent, gidx), dict(scale=0.3, d_v=8, block=2)),
+        "sparse_mla_gather_bwd": (k_ops.sparse_mla_gather_bwd.default,
+                                  (qg, latent, gidx, *k_ops.sparse_mla_gather(qg, latent, gidx, scale=0.3, d_v=8),
+                                   r(B, T, 2, 8), r(B, T, 2)), dict(scale=0.3, d_v=8, block=2)),
         "moe_experts_dense": (k_ops.moe_experts_dense.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=25.0)),
         "moe_experts_grouped": (k_ops.moe_experts_grouped.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=None)),
         "moe_experts_gemv": (k_ops.moe_experts_gemv.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=25.0)),
@@ -144,7 +150,8 @@ def test_every_registered_op_is_covered():
 def test_opcheck(name):
     op, args, kwargs = _op_samples()[name]
     args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() and name not in
-                 ("indexer_topk", "kda_chunk_opaque_bwd", "kda_states_bwd") else a for a in args)
+                 ("indexer_topk", "kda_chunk_opaque_bwd", "kda_states_bwd", "sparse_mla_gather_bwd") else a
+                 for a in args)
     if name == "kda_chunk_opaque_bwd":
         # It differentiates through torch.func.vjp, whose wrapper tensors opcheck's checkers (dispatch modes that
         # read every tensor's storage while the real kernel runs) cannot inspect. What they would check, directly:

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from helpers import rel_err, tiny
 from kimi.indexer import visible_keys
 from kimi.model import document_runs
-from kimi.ops import IMPLEMENTATIONS
+from kimi.ops import IMPLEMENTATIONS, lightning_index
 from kimi.ops.lightning_index import topk_reference
 from kimi.ops.sparse_attention import select_visible
 
@@ -108,3 +108,115 @@ def test_rows_without_keys_are_zero_with_zero_gradient(attn, form):
     for t in (q, c, k_pe, kv_b):
         assert torch.isfinite(t.grad).all()
     assert torch.equal(q.grad[:, 3:], torch.zeros_like(q.grad[:, 3:]))
+
+
+# ---------------------------------------------------------------------------------------------- gathering reference
+
+def _dense_latent(q, latent, idx, scale, d_v):
+    """float64 oracle of `kimi::sparse_mla_gather`: a dense [B, T, S] mask of the selected keys, softmax over it,
+    LSE over the selected keys (-inf and o = 0 for a row without any)."""
+    B, T, H, D = q.shape
+    keep = select_visible(torch.ones(B, T, latent.shape[1], dtype=torch.bool), idx)
+    s = torch.einsum("bthd,bsd->bths", q.double(), latent.double()) * scale
+    s = s.masked_fill(~keep[:, :, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(keep[:, :, None], (s - lse.nan_to_num(neginf=0.0)[..., None]).exp(), 0.0)
+    return torch.einsum("bths,bsv->bthv", p, latent.double()[..., :d_v]), lse
+
+
+def _selection(B, T, S, k, gen):
+    """Random selections: distinct positions per row, some rows short (-1 padded), some empty."""
+    idx = torch.full((B, T, k), -1, dtype=torch.int32)
+    for b in range(B):
+        for t in range(T):
+            n = int(torch.randint(0, min(k, S) + 1, (), generator=gen))
+            idx[b, t, :n] = torch.randperm(S, generator=gen)[:n].sort().values.int()
+    return idx
+
+
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 2), T=st.integers(1, 20), S=st.integers(1, 24), k=st.integers(1, 9), H=st.integers(1, 3),
+       block=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+def test_gather_matches_dense_float64_with_gradients(B, T, S, k, H, block, seed):
+    """`kimi::sparse_mla_gather` against the dense float64 oracle: output, LSE, and the gradients of q and the
+    latent through both (the backward recomputes from the LSE, block by block, and scatters onto the latent)."""
+    gen = torch.Generator().manual_seed(seed)
+    D, d_v, scale = 12, 8, 0.3
+    q = torch.randn(B, T, H, D, dtype=torch.float64, generator=gen)
+    latent = torch.randn(B, S, D, dtype=torch.float64, generator=gen)
+    idx = _selection(B, T, S, k, gen)
+    do = torch.randn(B, T, H, d_v, dtype=torch.float64, generator=gen)
+    dl = torch.randn(B, T, H, dtype=torch.float64, generator=gen)
+    results = []
+    for fn in (lambda q, c: torch.ops.kimi.sparse_mla_gather(q, c, idx, scale=scale, d_v=d_v, block=block),
+               lambda q, c: _dense_latent(q, c, idx, scale, d_v)):
+        qq, cc = q.clone().requires_grad_(), latent.clone().requires_grad_()
+        o, lse = fn(qq, cc)
+        finite = torch.isfinite(lse)
+        loss = (o * do).sum() + torch.where(finite, lse * dl, 0.0).sum()
+        results.append((o, lse, *torch.autograd.grad(loss, (qq, cc))))
+    (o, lse, dq, dc), (o_r, lse_r, dq_r, dc_r) = results
+    empty = (idx < 0).all(-1)
+    assert torch.equal(torch.isinf(lse), empty[..., None].expand_as(lse)) and (lse[empty.nonzero(as_tuple=True)] < 0).all()
+    assert torch.equal(o[empty], torch.zeros_like(o[empty]))
+    fin = torch.isfinite(lse_r)
+    assert rel_err(o, o_r) < 1e-12 and rel_err(lse[fin], lse_r[fin]) < 1e-12
+    assert rel_err(dq, dq_r) < 1e-12 and rel_err(dc, dc_r) < 1e-12
+
+
+def test_gather_equals_the_absorbed_layer_form_in_float32():
+    """The model's absorbed attention (W_UK folded into q, W_UV after) through the gathering op gives
+    `sparse_mla_absorbed`'s output on the indexer's selection, with fp32 inputs."""
+    cfg = tiny()
+    seg, _ = document_runs(torch.tensor([[0] * 9 + [1] * 15, [2] * 20 + [-1] * 4]))
+    q, c, k_pe, kv_b = _inputs(cfg, 2, 24, torch.float32)
+    idx = topk_reference(torch.randn(2, 24, 24), visible_keys(seg), 6)
+    want = sparse_mla(q, c, k_pe, kv_b, seg, idx, scale=cfg.softmax_scale, form=("eager", "absorbed"))
+    H, dn, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    W = kv_b.view(H, -1, R)
+    Q = torch.cat([torch.einsum("bthd,hdr->bthr", q[..., :dn], W[:, :dn]), q[..., dn:]], -1)
+    o_lat, _ = torch.ops.kimi.sparse_mla_gather(Q, torch.cat([c, k_pe], -1), idx, scale=cfg.softmax_scale, d_v=R,
+                                               block=5)
+    got = torch.einsum("bthr,hdr->bthd", o_lat, W[:, dn:])
+    assert rel_err(got, want) < 1e-5
+
+
+def test_blocked_indexer_topk_equals_the_masked_one():
+    """Top-k from ranges, queries in blocks, equals the dense-mask top-k (documents, padding, cache-like ranges)."""
+    B, T, S, n, d = 2, 19, 19, 3, 8
+    q, k, w = torch.randn(B, T, n, d), torch.randn(B, S, d), torch.randn(B, T, n)
+    seg, _ = document_runs(torch.tensor([[0] * 7 + [1] * 12, [4] * 15 + [-1] * 4]))
+    vis = visible_keys(seg)
+    t = torch.arange(T)
+    lo = torch.where(vis.any(-1), vis.int().argmax(-1), t)
+    hi = torch.where(vis.any(-1), t + 1, t)
+    assert torch.equal(lightning_index.range_mask(lo, hi, S), vis)
+    want = lightning_index.indexer_topk(q, k, w, vis, topk=5)
+    for block in (1, 4, 19, 64):
+        assert torch.equal(lightning_index.indexer_topk_blocked(q, k, w, lo, hi, topk=5, block=block), want)
+
+
+def test_gather_path_allocates_nothing_of_size_t_by_s():
+    """With T = S = 256 and blocks of 32 queries, no tensor the blocked indexer or the gathering attention (forward
+    and backward) creates holds as many elements as one [T, S] matrix."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(o, torch.Tensor):
+                    Largest.largest = max(Largest.largest, o.numel())
+            return out
+
+    T = S = 256
+    q, latent = torch.randn(1, T, 2, 24, requires_grad=True), torch.randn(1, S, 24, requires_grad=True)
+    qi, ki, wi = torch.randn(1, T, 2, 8), torch.randn(1, S, 8), torch.randn(1, T, 2)
+    t = torch.arange(T)[None]
+    with Largest():
+        idx = lightning_index.indexer_topk_blocked(qi, ki, wi, torch.zeros_like(t), t + 1, topk=8, block=32)
+        o, lse = torch.ops.kimi.sparse_mla_gather(q, latent, idx, scale=0.2, d_v=16, block=32)
+        o.square().sum().backward()
+    assert 0 < Largest.largest < T * S, Largest.largest

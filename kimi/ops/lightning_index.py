@@ -55,3 +55,24 @@ def indexer_topk(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, *, topk: int)
 
 
 traceable("indexer_topk(Tensor q, Tensor k, Tensor w, Tensor visible, *, int topk) -> Tensor", indexer_topk)
+
+
+# ---------------------------------------------------------------------------------------------- from ranges
+
+def range_mask(lo: Tensor, hi: Tensor, S: int) -> Tensor:
+    """Candidate keys as a mask [B, T, S] from per-query ranges [lo, hi) (lo, hi [B, T] int64; lo = hi: none)."""
+    s = torch.arange(S, device=lo.device)
+    return (s >= lo[..., None]) & (s < hi[..., None])
+
+
+def indexer_topk_blocked(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, *, topk: int,
+                         block: int = 1024) -> Tensor:
+    """`indexer_topk` over the candidates [lo_t, hi_t) of each query, `block` queries at a time: nothing of size
+    T×S exists beyond one block's scores and mask [B, block, S]. Same selection as `indexer_topk` with
+    visible = `range_mask(lo, hi, S)`. q [B, T, n, d], k [B, S, d], w [B, T, n], lo/hi [B, T] -> int32
+    [B, T, topk]."""
+    S = k.shape[1]
+    out = [topk_reference(scores(q[:, t:t + block], k, w[:, t:t + block]),
+                          range_mask(lo[:, t:t + block], hi[:, t:t + block], S), topk)
+           for t in range(0, q.shape[1], block)]
+    return torch.cat(out, dim=1) if out else q.new_empty(q.shape[0], 0, topk, dtype=torch.int32)

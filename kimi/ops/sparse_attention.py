@@ -12,7 +12,8 @@ future or foreign key). Three registered implementations with one signature
   [c ; k_pe], the form sparse kernels and decoding run (docs/numerics.md#absorbed-form).
 
 All build a [B, T, S] keep-mask: fine for tests and moderate lengths. Rows with no visible key (padding queries)
-give exactly 0 and zero gradient, never NaN.
+give exactly 0 and zero gradient, never NaN. `sparse_mla_gather` (below) is the contract of the sparse kernels:
+the absorbed form over gathered latents, queries in blocks, no [T, S] tensor.
 """
 
 from __future__ import annotations
@@ -115,3 +116,106 @@ def sparse_mla_absorbed(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visibl
 _SCHEMA = "(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor visible, Tensor? topk_idx, *, float scale) -> Tensor"
 for _fn in (sparse_mla_eager, sparse_mla_sdpa, sparse_mla_absorbed):
     traceable(_fn.__name__ + _SCHEMA, _fn)
+
+
+# ---------------------------------------------------------------------------------------------- gathering reference
+# The contract the sparse kernels implement (docs/numerics.md#sparse-attention-contract): attention of every head
+# over the latents its query selected, in the absorbed form, with the natural-log LSE over the selected keys.
+# Queries run in blocks, so memory is O(block · k · D) beyond the inputs and outputs, never O(T · S).
+
+def _gather_block(latent: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """The selected latents [B, Tb, k, D] (zeros at -1) and the validity mask [B, Tb, k] of a query block."""
+    B, Tb, k = idx.shape
+    valid = idx >= 0
+    rows = torch.where(valid, idx, 0).long().reshape(B, Tb * k)
+    kv = latent.gather(1, rows[..., None].expand(-1, -1, latent.shape[-1])).view(B, Tb, k, -1)
+    return kv, valid
+
+
+def _block_forward(q: Tensor, kv: Tensor, valid: Tensor, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+    """q [B, Tb, H, D], kv [B, Tb, k, D] -> o [B, Tb, H, d_v] in q's dtype, lse [B, Tb, H] in the compute dtype."""
+    ct = compute_dtype(q.dtype)
+    s = torch.einsum("bthd,btkd->bthk", q.to(ct), kv.to(ct)) * scale
+    s = s.masked_fill(~valid[:, :, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                              # -inf on rows without keys
+    p = torch.where(valid[:, :, None], (s - lse.nan_to_num(neginf=0.0)[..., None]).exp(), 0.0)
+    o = torch.einsum("bthk,btkv->bthv", p, kv[..., :d_v].to(ct))
+    return o.to(q.dtype), lse
+
+
+@torch.library.custom_op("kimi::sparse_mla_gather", mutates_args=())
+def sparse_mla_gather(q: Tensor, latent: Tensor, indices: Tensor, *, scale: float, d_v: int,
+                      block: int = 1024) -> tuple[Tensor, Tensor]:
+    """Attention over the selected latents: q [B, T, H, D] (W_UK absorbed, D = kv_lora_rank + d_r), latent
+    [B, S, D] (values: its first `d_v` columns), indices int32 [B, T, k] (positions in S, -1 padded) ->
+    (o [B, T, H, d_v] in q's dtype, lse [B, T, H] fp32, or fp64 for fp64 q). A row without keys gives o = 0 and
+    lse = -inf. The caller's selection must already respect visibility (the indexer only picks candidates)."""
+    o, lse = [], []
+    for t in range(0, q.shape[1], block):
+        kv, valid = _gather_block(latent, indices[:, t:t + block])
+        ob, lb = _block_forward(q[:, t:t + block], kv, valid, scale, d_v)
+        o.append(ob)
+        lse.append(lb)
+    if not o:
+        return q.new_empty(*q.shape[:3], d_v), q.new_empty(q.shape[:3], dtype=compute_dtype(q.dtype))
+    return torch.cat(o, 1).contiguous(), torch.cat(lse, 1).contiguous()
+
+
+@sparse_mla_gather.register_fake
+def _(q, latent, indices, *, scale, d_v, block=1024):
+    return q.new_empty(*q.shape[:3], d_v), q.new_empty(q.shape[:3], dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("kimi::sparse_mla_gather_bwd", mutates_args=())
+def sparse_mla_gather_bwd(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                          dlse: Tensor | None, *, scale: float, d_v: int,
+                          block: int = 1024) -> tuple[Tensor, Tensor]:
+    """(dq, dlatent) of `sparse_mla_gather` from its inputs, outputs and the output gradients, block by block:
+    the probabilities are recomputed from the LSE (p = e^{s − lse}), ds = p ⊙ (do·vᵀ − Σ_v do ⊙ o + dlse), and
+    each block's key and value gradients are scattered back onto the latent rows they were gathered from."""
+    ct = compute_dtype(q.dtype)
+    dq = torch.empty(q.shape, dtype=ct, device=q.device)
+    dlat = torch.zeros(latent.shape, dtype=ct, device=latent.device)
+    B, D = q.shape[0], latent.shape[-1]
+    for t in range(0, q.shape[1], block):
+        qb, dob = q[:, t:t + block].to(ct), do[:, t:t + block].to(ct)
+        idx = indices[:, t:t + block]
+        kv, valid = _gather_block(latent, idx)
+        kv = kv.to(ct)
+        s = torch.einsum("bthd,btkd->bthk", qb, kv) * scale
+        lb = lse[:, t:t + block]
+        p = torch.where(valid[:, :, None], (s - lb.nan_to_num(neginf=0.0)[..., None]).exp(), 0.0)
+        delta = (dob * o[:, t:t + block].to(ct)).sum(-1, keepdim=True)             # [B, Tb, H, 1]
+        if dlse is not None:
+            delta = delta - dlse[:, t:t + block, :, None].to(ct)
+        dp = torch.einsum("bthv,btkv->bthk", dob, kv[..., :d_v])
+        ds = p * (dp - delta) * scale
+        dq[:, t:t + block] = torch.einsum("bthk,btkd->bthd", ds, kv)
+        dkv = torch.einsum("bthk,bthd->btkd", ds, qb)
+        dkv[..., :d_v] += torch.einsum("bthk,bthv->btkv", p, dob)
+        rows = torch.where(valid, idx, 0).long().reshape(B, -1)
+        dkv = torch.where(valid[..., None], dkv, 0.0).reshape(B, -1, D)
+        dlat.scatter_add_(1, rows[..., None].expand(-1, -1, D), dkv)
+    return dq.to(q.dtype), dlat.to(latent.dtype)
+
+
+@sparse_mla_gather_bwd.register_fake
+def _(q, latent, indices, o, lse, do, dlse, *, scale, d_v, block=1024):
+    return q.new_empty(q.shape), latent.new_empty(latent.shape)
+
+
+def _gather_setup(ctx, inputs, keyword_only_inputs, output):
+    q, latent, indices = inputs
+    o, lse = output
+    ctx.save_for_backward(q, latent, indices, o, lse)
+    ctx.kw = dict(keyword_only_inputs)
+
+
+def _gather_backward(ctx, do, dlse):
+    q, latent, indices, o, lse = ctx.saved_tensors
+    do = torch.zeros_like(o) if do is None else do.contiguous()
+    dq, dlat = sparse_mla_gather_bwd(q, latent, indices, o, lse, do, dlse, **ctx.kw)
+    return dq, dlat, None
+
+
+sparse_mla_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
