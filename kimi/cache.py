@@ -17,16 +17,16 @@ Layout (one dict; every leaf a tensor except `max_len`; W = short_conv_kernel_si
     layers[i] for a gated-MLA layer:
       kv                       [B, max_len, kv_lora_rank + qk_rope_head_dim]   [c ; k_r] per slot, c after
                                kv_a_layernorm: the 576-wide latent of the absorbed form
-                               (docs/numerics.md#absorbed-form). The MLA is NoPE, so nothing is rotated and the expanded form reads
-                               the same cache through kv_b_proj.
+                               (docs/numerics.md#absorbed-form). The MLA is NoPE, so nothing is rotated
+                               and the expanded form reads the same cache through kv_b_proj.
       index_k                  [B, max_len, index_head_dim]   indexer keys after k_norm (and RoPE), only when
                                the config has an indexer.
 
 Design: every row writes the same slots [pos, pos + T) and rows of unequal prompts are LEFT-padded; start[b]
 says where row b's real tokens begin. Why:
 - One shared `pos` is a single 0-d device tensor, bumped in place by forward: a decode step has no per-row
-  shapes and no host-side position, so it is captured once as a CUDA graph and replayed (docs/compile.md#cuda-graphs). Cache
-  writes are `index_copy_` at slots pos + arange(T), never a Python-int slice (which would recompile per step).
+  shapes and no host-side position, so it is captured once as a CUDA graph and replayed
+  (docs/compile.md#cuda-graphs). Cache writes are `index_copy_` at slots pos + arange(T), never a Python-int slice (which would recompile per step).
 - Left padding makes all rows end at the same slot, so every row's next token lands at `pos` and decode needs no
   per-row scatter. Padded slots are invisible rather than absent: an MLA key is visible to a query at slot t iff
   start[b] <= s <= t; queries before start see nothing (their outputs are exactly 0 in attention and are
@@ -129,8 +129,8 @@ def clone_cache(cache: dict) -> dict:
 
 
 def mark_static(cache: dict) -> dict:
-    """Mark every buffer as a static address for CUDA graphs (docs/compile.md#cuda-graphs): replays then write the cache in
-    place instead of copying it in, and in-place mutation does not make cudagraph trees skip the graph. Dynamo
+    """Mark every buffer as a static address for CUDA graphs (docs/compile.md#cuda-graphs): replays then write the
+    cache in place instead of copying it in, and in-place mutation does not make cudagraph trees skip the graph. Dynamo
     guards on these addresses, so a different cache recompiles: allocate one and `reset_cache` it."""
     for t in [cache["pos"], cache["start"], *(t for layer in cache["layers"] for t in layer.values())]:
         torch._dynamo.mark_static_address(t)

@@ -75,7 +75,8 @@ def _check_mxfp4(packed: Tensor, scale: Tensor) -> None:
 
 def mxfp4_decode(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16, *,
                  out: Tensor | None = None) -> Tensor:
-    """MXFP4 -> float (docs/checkpoints.md#mxfp4). packed uint8 [..., out, in/2], scale uint8 [..., out, in/32] -> [..., out, in].
+    """MXFP4 -> float (docs/checkpoints.md#mxfp4). packed uint8 [..., out, in/2], scale uint8 [..., out, in/32] ->
+    [..., out, in].
 
     Byte j of a row holds element 2j in its low nibble and 2j+1 in its high nibble; element value is
     E2M1[code] · 2^(s-127) with s the group's scale byte (groups of 32 along the row). Exact: the product is

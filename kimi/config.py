@@ -1,8 +1,8 @@
 """Configuration: the text model (`ModelConfig`, read from a Hugging Face `config.json`) and the choice of
 implementations (`Backend`).
 
-Field names are the `config.json` keys (docs/checkpoints.md#config), so a reader who knows the checkpoint knows the config.
-Both classes are frozen and keyword-only: hashable, so `torch.compile` treats them as constants. Values that
+Field names are the `config.json` keys (docs/checkpoints.md#config), so a reader who knows the checkpoint knows the
+config. Both classes are frozen and keyword-only: hashable, so `torch.compile` treats them as constants. Values that
 follow from the fields are properties. Every check runs at construction, so a config that exists is valid.
 """
 
@@ -70,7 +70,8 @@ class ModelConfig:
     routed_expert_hidden_size: int
     """Latent width Z the routed experts run in (Stable LatentMoE, docs/architecture.md#latent-moe)."""
     attn_res_block_size: int | None
-    """Attention-Residual block length; None selects the plain pre-norm residual (docs/architecture.md#attention-residuals)."""
+    """Attention-Residual block length; None selects the plain pre-norm residual
+    (docs/architecture.md#attention-residuals)."""
     linear_attn_config: KDAConfig
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True

@@ -232,7 +232,8 @@ def _init_leaf(spec: Spec, cfg: ModelConfig, gen: torch.Generator) -> torch.Tens
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype: str | None = None, device: str | torch.device = "cpu", *,
                 draw_on_device: bool = False) -> Tree:
-    """A fresh parameter tree with the checkpoint's shapes and dtypes (the reference implementation's init, docs/numerics.md#init).
+    """A fresh parameter tree with the checkpoint's shapes and dtypes (the reference implementation's init,
+    docs/numerics.md#init).
 
     Args:
         cfg: the model.

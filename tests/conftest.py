@@ -1,7 +1,7 @@
 """Test setup: fresh random inputs each run (the seed is printed so a failure can be replayed with
 KIMI_TEST_SEED=N), hypothesis without deadlines, a `gpu` marker that skips cleanly without CUDA, and a fresh
-Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: docs/compile.md#fake-strides; removed at
-exit), and Triton's interpreter on machines without a GPU."""
+Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: docs/compile.md#fake-strides;
+removed at exit), and Triton's interpreter on machines without a GPU."""
 
 import atexit
 import os

@@ -117,14 +117,15 @@ def test_indexer_frozen_in_backward(p32):
         if ".indexer." in path or path.endswith("e_score_correction_bias"):
             assert leaf.grad is None and not leaf.requires_grad, path
         elif path.startswith("model.layers.0.self_attention_res_"):
-            assert leaf.grad is None, path          # layer 0 has no attention mix (docs/numerics.md#attention-residuals)
+            assert leaf.grad is None, path          # layer 0 has no attention mix
         else:
             assert leaf.grad is not None, path
 
 
 def test_attention_residual_candidate_counts(monkeypatch, p64):
-    """The candidate counts of docs/numerics.md#attention-residuals: at layer l (block size bs, k = l // bs) the attention mix sees k+1 candidates at a
-    block start (none at l = 0) and k+2 otherwise; the MLP mix k+2; the output mix n_blocks+1."""
+    """The candidate counts of docs/numerics.md#attention-residuals: at layer l (block size bs, k = l // bs) the
+    attention mix sees k+1 candidates at a block start (none at l = 0) and k+2 otherwise; the MLP mix k+2; the
+    output mix n_blocks+1."""
     cfg = kimi.preset("tiny")
     seen = []
     real = model_mod.attn_res_mix

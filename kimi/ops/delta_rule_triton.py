@@ -13,8 +13,8 @@ from torch import Tensor
 from .registry import interpreted, tl, triton, triton_available
 
 def delta_states_reference(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The sequential part of chunked KDA (`delta_rule.kda_chunk`): chunk n's entering state S_n, its corrected values U_n
-    and the final state, for chunks n = 0..N-1 of every row (b, h) folded into the first dim:
+    """The sequential part of chunked KDA (`delta_rule.kda_chunk`): chunk n's entering state S_n, its corrected values
+    U_n and the final state, for chunks n = 0..N-1 of every row (b, h) folded into the first dim:
 
         U_n     = u_n − w_n S_n                [C, V]
         S_{n+1} = diag(d_n) S_n + k_nᵀ U_n     [K, V],   S_0 = s0
