@@ -132,14 +132,23 @@ def _gather_block(latent: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
     return kv, valid
 
 
+def _block_scores(q: Tensor, kv: Tensor, valid: Tensor, scale: float) -> Tensor:
+    """σ q·kv [B, Tb, H, k] in the compute dtype, -inf at unselected slots (q [B, Tb, H, D], kv [B, Tb, k, D])."""
+    s = torch.einsum("bthd,btkd->bthk", q, kv) * scale
+    return s.masked_fill(~valid[:, :, None], float("-inf"))
+
+
+def _probs(s: Tensor, lse: Tensor, valid: Tensor) -> Tensor:
+    """e^{s − lse} at the selected slots, exact zeros elsewhere and on rows without keys (lse = -inf)."""
+    return torch.where(valid[:, :, None], (s - lse.nan_to_num(neginf=0.0)[..., None]).exp(), 0.0)
+
+
 def _block_forward(q: Tensor, kv: Tensor, valid: Tensor, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
     """q [B, Tb, H, D], kv [B, Tb, k, D] -> o [B, Tb, H, d_v] in q's dtype, lse [B, Tb, H] in the compute dtype."""
     ct = compute_dtype(q.dtype)
-    s = torch.einsum("bthd,btkd->bthk", q.to(ct), kv.to(ct)) * scale
-    s = s.masked_fill(~valid[:, :, None], float("-inf"))
+    s = _block_scores(q.to(ct), kv.to(ct), valid, scale)
     lse = torch.logsumexp(s, dim=-1)                                              # -inf on rows without keys
-    p = torch.where(valid[:, :, None], (s - lse.nan_to_num(neginf=0.0)[..., None]).exp(), 0.0)
-    o = torch.einsum("bthk,btkv->bthv", p, kv[..., :d_v].to(ct))
+    o = torch.einsum("bthk,btkv->bthv", _probs(s, lse, valid), kv[..., :d_v].to(ct))
     return o.to(q.dtype), lse
 
 
@@ -182,9 +191,7 @@ def sparse_mla_gather_bwd(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
         idx = indices[:, t:t + block]
         kv, valid = _gather_block(latent, idx)
         kv = kv.to(ct)
-        s = torch.einsum("bthd,btkd->bthk", qb, kv) * scale
-        lb = lse[:, t:t + block]
-        p = torch.where(valid[:, :, None], (s - lb.nan_to_num(neginf=0.0)[..., None]).exp(), 0.0)
+        p = _probs(_block_scores(qb, kv, valid, scale), lse[:, t:t + block], valid)
         delta = (dob * o[:, t:t + block].to(ct)).sum(-1, keepdim=True)             # [B, Tb, H, 1]
         if dlse is not None:
             delta = delta - dlse[:, t:t + block, :, None].to(ct)
