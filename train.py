@@ -133,8 +133,9 @@ class TrainConfig:
     """layers: `kimi.compile_layers`, one graph per distinct layer (compile time independent of depth); model: the
     model up to the head as one fullgraph (more fusion, compile time grows with depth). Several processes always
     compile per FSDP unit."""
-    attn: Literal["auto", "eager", "sdpa"] = "auto"
-    """Gated MLA's attention (`kimi.Backend.attn`); auto: SDPA in the expanded form."""
+    attn: Literal["auto", "eager", "sdpa", "gather"] = "auto"
+    """Gated MLA's attention (`kimi.Backend.attn`); auto: 'gather' (from key ranges, nothing of size T×T) when every
+    document fits in index_topk (dense attention, no indexer) or past 8,192 tokens, else SDPA with a dense mask."""
     kda: Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"] = "auto"
     """The KDA core (`kimi.Backend.kda`); auto: 'chunk_triton' on a GPU with Triton (the chunk-to-chunk state pass
     one kernel each way instead of a scan of small matmuls), 'chunk_opaque' when compiling on the CPU (a fraction of
@@ -142,7 +143,7 @@ class TrainConfig:
     moe: Literal["auto", "dense", "grouped", "gemv"] = "auto"
     """Routed experts (`kimi.Backend.moe`); auto: 'grouped' for float32/bfloat16 micro-batches."""
     mla_form: Literal["auto", "expanded", "absorbed"] = "auto"
-    """`kimi.Backend.mla_form`; auto: 'expanded' (training has no cache)."""
+    """`kimi.Backend.mla_form`; auto: 'absorbed' for attn 'gather', else 'expanded' (training has no cache)."""
     tf32: bool = True
     """GPU: fp32 matmuls run on TF32 tensor cores (`torch.set_float32_matmul_precision("high")`): the KDA chunk
     algebra and its Triton state pass (fp32 for bf16 activations; inputs rounded to 10 mantissa bits, sums in fp32)
@@ -265,7 +266,9 @@ def train(cfg: TrainConfig) -> dict:
                          f"{cfg.micro_batch_size} x {world} processes")
     backend = kimi.Backend(attn=cfg.attn, kda=cfg.kda, moe=cfg.moe, mla_form=cfg.mla_form)
     scale = lora.scale_of(cfg.lora.rank, cfg.lora.alpha) if cfg.lora.rank else 1.0
-    step_kw = dict(cfg=model_cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(model_cfg), lora_scale=scale)
+    longest = max(train_rows.longest_document(), eval_rows.longest_document())
+    step_kw = dict(cfg=model_cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(model_cfg), lora_scale=scale,
+                   max_document_len=longest)
     named = trainable_named(params, adapters)
     n_params = sum(p.numel() for p in named.values())
     root = None
@@ -300,7 +303,8 @@ def train(cfg: TrainConfig) -> dict:
     peak = peak_flops(device)
     log(f"model {cfg.model}: {kimi.param_count(model_cfg):,} parameters, training {n_params:,}"
         f"{f' (LoRA rank {cfg.lora.rank})' if cfg.lora.rank else ''} | {len(train_rows)} train rows, "
-        f"{len(eval_rows)} eval rows of {cfg.data.seq_len} tokens | {world} process(es) on {device}, "
+        f"{len(eval_rows)} eval rows of {cfg.data.seq_len} tokens, longest document {longest:,} | "
+        f"{world} process(es) on {device}, "
         f"{str(compute).removeprefix('torch.')} compute, compile {'on' if use_compile else 'off'}, "
         f"grad accumulation {accum}")
 

@@ -33,8 +33,9 @@ says where row b's real tokens begin. Why:
   meaningless logits the caller ignores); the KDA recurrence and short conv restart at slot start[b] (the reset
   of packed documents), so the state accumulated over padding is dropped; indexer RoPE positions are
   slot − start[b]. Hence a padded row computes exactly what the row alone computes (tests/test_decode.py).
-- The cost of left padding is wasted slots (the longest prompt decides) and a per-row mask over all max_len slots
-  in every step; the mask is what a static-shape step needs anyway (top-k over the full cache).
+- The cost of left padding is wasted slots (the longest prompt decides) and a step that scores all max_len slots
+  (the indexer's top-k over the full cache, each query's candidates given as a range, kimi/ranges.py): what a
+  static-shape step needs anyway.
 
 In-place updates: forward writes the new tokens into the cache's buffers (index_copy_/copy_) and returns the same
 dict. The functional return value is for readability; callers must not expect the cache they passed to be
@@ -51,6 +52,7 @@ from torch import Tensor
 
 from .common import compute_dtype, host_checks
 from .config import ModelConfig
+from .ranges import KeyRanges, cache_ranges
 
 
 class CacheError(ValueError):
@@ -144,8 +146,7 @@ class Step(NamedTuple):
     slots: Tensor        # [T] int64: pos + arange(T), the slots written
     reset: Tensor        # [B, T] bool: the row's first real token (KDA state restarts before it)
     conv_reset: Tensor   # [B, W-1+T] bool: the same over the conv window (cached tail + new tokens)
-    visible: Tensor      # [B, T, max_len] bool: start[b] <= s <= slot, and the query itself is not padding
-    index_pos: Tensor    # [B, T] int64: indexer RoPE positions, slot − start (0 on padding)
+    ranges: KeyRanges    # the queries' candidate slots [start[b], slot + 1), none for padding queries
 
 
 def step_positions(cache: dict, T: int, cfg: ModelConfig) -> Step:
@@ -154,11 +155,8 @@ def step_positions(cache: dict, T: int, cfg: ModelConfig) -> Step:
     dev = pos.device
     slots = pos + torch.arange(T, device=dev)
     window = pos + torch.arange(-(W - 1), T, device=dev)
-    s = torch.arange(cache["max_len"], device=dev)
-    real = slots[None, :] >= start[:, None]                                             # [B, T]
-    visible = (s <= slots[:, None]) & (s >= start[:, None, None]) & real[..., None]
     return Step(slots=slots, reset=slots[None, :] == start[:, None], conv_reset=window[None, :] == start[:, None],
-                visible=visible, index_pos=(slots[None, :] - start[:, None]).clamp(min=0))
+                ranges=cache_ranges(slots, start, cache["max_len"]))
 
 
 def check_cache(cache, cfg: ModelConfig, input_ids: Tensor, dtype: torch.dtype) -> None:

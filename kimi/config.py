@@ -237,7 +237,7 @@ class ModelConfig:
 
 # ---------------------------------------------------------------------------------------------- Backend
 
-AttnBackend = Literal["auto", "eager", "sdpa"]
+AttnBackend = Literal["auto", "eager", "sdpa", "gather"]
 MLAForm = Literal["auto", "expanded", "absorbed"]
 KDABackend = Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"]
 MoEBackend = Literal["auto", "dense", "grouped", "gemv"]
@@ -250,8 +250,11 @@ class Backend:
     `kimi.ops.resolve` (docs/architecture.md#backends)."""
 
     attn: AttnBackend = "auto"
-    """Gated MLA's attention over the selected keys: 'eager' (fp32 softmax over a dense keep-mask; the reference)
-    or 'sdpa' (`F.scaled_dot_product_attention` with the same mask; expanded form only)."""
+    """Gated MLA's attention over the selected keys: 'eager' (fp32 softmax over a dense keep-mask; the reference),
+    'sdpa' (`F.scaled_dot_product_attention` with the same mask; expanded form only) or 'gather' (from per-query key
+    ranges with nothing of size T×S: blocked indexer top-k, attention over the gathered latents in the absorbed
+    form; documents of at most index_topk tokens run as dense document-causal attention without the indexer).
+    'auto' picks 'gather' past 8,192 keys (docs/architecture.md#backends)."""
     mla_form: MLAForm = "auto"
     """'expanded' (per-head K/V through kv_b_proj) or 'absorbed' (kv_b_proj folded into the query and the
     output: attention over the 576-wide shared latent, the form sparse kernels and decoding use)."""
@@ -268,6 +271,9 @@ class Backend:
         for name, allowed in _BACKEND_CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Backend.{name}={getattr(self, name)!r}: expected one of {allowed}")
+        if self.attn == "gather" and self.mla_form == "expanded":
+            raise ValueError("Backend(attn='gather', mla_form='expanded'): the gathering path attends over the shared "
+                             "latent (the absorbed form); use mla_form='auto' or 'absorbed'")
         if self.attn == "sdpa" and self.mla_form == "absorbed":
             raise ValueError("Backend(attn='sdpa', mla_form='absorbed'): SDPA has no shared-latent form (it would "
                              "copy the 576-wide latent to every head); use attn='eager' or 'auto' with the absorbed "

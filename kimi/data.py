@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .loss import IGNORE
+from .ranges import document_ranges
 
 
 class DataError(ValueError):
@@ -127,6 +128,14 @@ class Rows:
 
     def select(self, idx) -> "Rows":
         return Rows(self.input_ids[idx], self.labels[idx], self.document_ids[idx])
+
+    def longest_document(self) -> int:
+        """Tokens of the longest document in any row (0 without rows): the bound `kimi.forward` takes as
+        `max_document_len` (documents of at most index_topk tokens attend densely, without the indexer)."""
+        if not len(self):
+            return 0
+        r = document_ranges(self.document_ids)
+        return int((r.hi - r.lo).max())
 
 
 def make_rows(docs: list[Document], seq_len: int, pack: bool, pad_id: int) -> Rows:

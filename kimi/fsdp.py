@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from . import lora, model
 from .config import Backend, ModelConfig
+from .ranges import KeyRanges
 from .loss import token_loss_sum
 from .model import compile_options, head_weight, layer_step
 from .params import tree_items, unflatten
@@ -55,14 +56,14 @@ class _Unit(nn.Module):
 class _Layer(_Unit):
     """One decoder layer: `kimi.model.layer_step` on the gathered subtree."""
 
-    def forward(self, h: Tensor, R: list[Tensor], plan: tuple[str, bool, bool], seg: Tensor, reset: Tensor):
+    def forward(self, h: Tensor, R: list[Tensor], plan: tuple[str, bool, bool], ranges: KeyRanges, reset: Tensor):
         c = self.ctx
-        return layer_step(self.subtree(), h, list(R), plan, c["cfg"], c["backend"], seg=seg, reset=reset)
+        return layer_step(self.subtree(), h, list(R), plan, c["cfg"], c["backend"], ranges=ranges, reset=reset)
 
 
-def _run_unit(unit: _Layer, h, R, plan, cfg, backend, *, seg, reset, cache=None, step=None):
+def _run_unit(unit: _Layer, h, R, plan, cfg, backend, *, ranges, reset, cache=None, step=None):
     """`kimi.forward`'s `layer=`: the tree's entry for layer i is its unit, called through its FSDP2 hooks."""
-    return unit(h, R, plan, seg, reset)
+    return unit(h, R, plan, ranges, reset)
 
 
 class _Root(_Unit):
@@ -78,22 +79,24 @@ class _Root(_Unit):
         c = self.ctx
         tree = self.subtree()
         tree["model"]["layers"] = list(self.layers)
-        h = model.forward(tree, input_ids, c["cfg"], c["backend"], document_ids=document_ids, head=False,
-                          layer=_run_unit)
+        h = model.forward(tree, input_ids, c["cfg"], c["backend"], document_ids=document_ids,
+                          max_document_len=c["max_document_len"], head=False, layer=_run_unit)
         return token_loss_sum(h, head_weight(tree, c["cfg"]), labels)
 
 
 def build_fsdp(params, adapters: dict, *, cfg: ModelConfig, backend: Backend, dtype, fp32_paths: frozenset[str],
-               lora_scale: float, compile_units: bool) -> _Root:
+               lora_scale: float, compile_units: bool, max_document_len: int | None = None) -> _Root:
     """Shard the tree (and the adapters) over all processes: one FSDP2 unit per decoder layer, the root unit for the
-    rest. Calling the root gives a micro-batch's summed loss, as `kimi.training.loss_sum` does in one process."""
+    rest. Calling the root gives a micro-batch's summed loss, as `kimi.training.loss_sum` does in one process
+    (`max_document_len` as `kimi.forward` takes it)."""
     from torch.distributed.fsdp import fully_shard
 
     # A layer returns the attention-residual entries R, some of which are views; nothing here updates a unit's
     # output in place (the case that warning is about), so it is noise on every call.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
-    ctx = dict(cfg=cfg, backend=backend, dtype=dtype, fp32_paths=fp32_paths, lora_scale=lora_scale)
+    ctx = dict(cfg=cfg, backend=backend, dtype=dtype, fp32_paths=fp32_paths, lora_scale=lora_scale,
+               max_document_len=max_document_len)
     flat = dict(tree_items(params))
     layers = []
     for i in range(len(params["model"]["layers"])):

@@ -11,8 +11,8 @@ written as int32 [B, T, index_topk]: valid key positions ascending, then -1 (doc
 and the top-k are the op `kimi.ops.indexer_topk`). Hard top-k passes no gradient, so the indexer is frozen: it
 runs under `no_grad` on detached inputs.
 
-Documents: `seg` [B, T] is the run index of each token's document within its row, -1 for padding (built once
-in `model.forward`). A key is visible to a query iff s <= t, seg[s] == seg[t] and seg[t] >= 0.
+Candidates come as ranges (`kimi.ranges.KeyRanges`, built once in `model.forward`): key s is a candidate of
+query t iff lo_t <= s < hi_t, i.e. s <= t in t's document (or, with a cache, from the row's first real slot).
 """
 
 from __future__ import annotations
@@ -24,24 +24,7 @@ from torch import Tensor
 from . import ops
 from .common import compute_dtype, layer_norm, linear
 from .ops import lightning_index
-
-
-def visible_keys(seg: Tensor) -> Tensor:
-    """Document-causal candidate mask [B, T, S=T] (bool) from run ids seg [B, T] (-1 = padding)."""
-    T = seg.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
-    same = seg[:, :, None] == seg[:, None, :]
-    return causal & same & (seg >= 0)[:, :, None]
-
-
-def positions_in_document(seg: Tensor) -> Tensor:
-    """Position of each token within its document [B, T] (int64)."""
-    T = seg.shape[1]
-    t = torch.arange(T, device=seg.device).expand_as(seg)
-    start = torch.ones_like(seg, dtype=torch.bool)
-    start[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    first = torch.where(start, t, torch.zeros_like(t)).cummax(dim=1).values
-    return t - first
+from .ranges import KeyRanges
 
 
 def _rope_half(x: Tensor, pos: Tensor, dim: int, theta: float) -> Tensor:
@@ -58,36 +41,35 @@ def _rope_half(x: Tensor, pos: Tensor, dim: int, theta: float) -> Tensor:
     return torch.cat([rot, x[..., dim:]], dim=-1)
 
 
-def indexer_inputs(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor | None, *,
-                   pos: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The indexer's projections: (q [B, T, n, d], k [B, S, d], w [B, T, n]). q and k in the activation dtype
+def indexer_inputs(p: dict, x: Tensor, q_resid: Tensor, cfg, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The indexer's projections: (q [B, T, n, d], k [B, T, d], w [B, T, n]). q and k in the activation dtype
     (BF16 projections), w in fp32 with both positive scales n^-1/2 · d^-1/2 folded in.
 
     Args:
         p: the layer's `self_attn.indexer` subtree (wq_b, wk, k_norm, weights_proj).
         x: layer input after input_layernorm [B, T, D]; q_resid: q LoRA latent [B, T, q_lora_rank].
-        seg: document run ids [B, T]; the RoPE position is the position in the document.
-        pos: [B, T] RoPE positions given directly instead (the cached path: slot − start); seg is then unused.
+        pos: [B, T] RoPE positions: the position within the document, or since the row's start in a cache
+            (`KeyRanges.positions`).
     """
-    B, T, _ = x.shape
     n, d = cfg.index_n_heads, cfg.index_head_dim
     q = rearrange(linear(q_resid, p["wq_b"]), "b t (n d) -> b t n d", n=n)
     k = layer_norm(linear(x, p["wk"]), p["k_norm"], eps=1e-6)
     if cfg.index_rope_dim:
-        pos = positions_in_document(seg) if pos is None else pos
         q = _rope_half(q, pos, cfg.index_rope_dim, cfg.rope_theta)
         k = _rope_half(k, pos, cfg.index_rope_dim, cfg.rope_theta)
     w = linear(x, p["weights_proj"]).to(compute_dtype(x.dtype)) * (n ** -0.5 * d ** -0.5)
     return q, k, w
 
 
-def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> Tensor:
-    """Index scores [B, T, S=T] of one layer (before masking)."""
-    return lightning_index.scores(*indexer_inputs(p, x, q_resid, cfg, seg))
+def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, ranges: KeyRanges) -> Tensor:
+    """Index scores [B, T, S=T] of one layer without a cache (before masking; a test and analysis helper: it
+    holds all T×T scores)."""
+    return lightning_index.scores(*indexer_inputs(p, x, q_resid, cfg, ranges.positions()))
 
 
-def select_keys(p: dict, x: Tensor, q_resid: Tensor, cfg, seg: Tensor) -> Tensor:
-    """The indexer of one gated-MLA layer: int32 [B, T, index_topk] selected key positions (-1 padded)."""
+def select_keys(p: dict, x: Tensor, q_resid: Tensor, cfg, ranges: KeyRanges) -> Tensor:
+    """The indexer of one gated-MLA layer without a cache: int32 [B, T, index_topk] selected key positions
+    (-1 padded)."""
     with torch.no_grad():
-        q, k, w = indexer_inputs(p, x.detach(), q_resid.detach(), cfg, seg)
-        return ops.indexer_topk(q, k, w, visible_keys(seg), topk=cfg.index_topk)
+        q, k, w = indexer_inputs(p, x.detach(), q_resid.detach(), cfg, ranges.positions())
+        return ops.indexer_topk(q, k, w, ranges, topk=cfg.index_topk)

@@ -29,6 +29,7 @@ from . import kda, mla, moe
 from .cache import CacheError, Step, check_cache, step_positions
 from .common import compute_dtype, host_checks, rms_norm
 from .config import Backend, ModelConfig
+from .ranges import KeyRanges, document_ranges
 
 
 DEFAULT_BACKEND = Backend()
@@ -47,14 +48,12 @@ def attn_res_mix(P: Tensor, R: list[Tensor] | Tensor, p_norm: dict, p_proj: dict
     return (alpha[..., None] * Vf).sum(0).to(P.dtype)
 
 
-def document_runs(document_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """(seg, reset): seg [B, T] numbers each row's documents 0, 1, ... in order of appearance (a new one
-    wherever the id changes), -1 on padding (negative ids); reset [B, T] bool is True where a document starts
-    after position 0 (the KDA state and conv restart there)."""
+def document_resets(document_ids: Tensor) -> Tensor:
+    """[B, T] bool, True where a document starts after position 0 (wherever the id changes): the KDA state and
+    conv restart there."""
     reset = torch.zeros_like(document_ids, dtype=torch.bool)
     reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    seg = reset.long().cumsum(dim=1)
-    return torch.where(document_ids < 0, -1, seg), reset
+    return reset
 
 
 def layer_plan(cfg: ModelConfig, i: int) -> tuple[str, bool, bool]:
@@ -65,13 +64,14 @@ def layer_plan(cfg: ModelConfig, i: int) -> tuple[str, bool, bool]:
 
 
 def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bool, bool], cfg: ModelConfig,
-               backend: Backend, *, seg: Tensor | None, reset: Tensor | None, cache: dict | None = None,
+               backend: Backend, *, ranges: KeyRanges, reset: Tensor | None, cache: dict | None = None,
                step: Step | None = None) -> tuple[Tensor, list[Tensor] | Tensor]:
     """Decoder layer with plan `layer_plan(cfg, i)`. h [B, T, D] is the layer input (the current block's partial
     sum), R the closed attention-residual entries; returns (h', R'). The plan, not the index, selects the code, so
     one compiled graph serves every layer with the same plan (`compile_layers`). R is a list, or (in
     `compile_layers`) one stacked [n, B, T, D] tensor; it is returned in the same form. cache: this layer's cache
-    dict (kimi/cache.py), step: where the new tokens sit."""
+    dict (kimi/cache.py), step: where the new tokens sit. ranges: the gated-MLA queries' candidate keys
+    (kimi/ranges.py)."""
     kind, is_moe, opens_block = plan
     eps = cfg.rms_norm_eps
 
@@ -79,7 +79,7 @@ def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bo
         a = rms_norm(a_in, p["input_layernorm"], eps)
         if kind == "kda":
             return kda.kda_layer(p["self_attn"], a, cfg, backend, reset=reset, cache=cache, step=step)
-        return mla.gated_mla(p["self_attn"], a, cfg, backend, seg=seg, cache=cache, step=step)
+        return mla.gated_mla(p["self_attn"], a, cfg, backend, ranges=ranges, cache=cache, step=step)
 
     def ffn(m_in):
         m = rms_norm(m_in, p["post_attention_layernorm"], eps)
@@ -101,8 +101,8 @@ def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bo
 
 
 def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
-            document_ids: Tensor | None = None, cache: dict | None = None, head: bool = True,
-            layer: Callable | None = None) -> Tensor | tuple[Tensor, dict]:
+            document_ids: Tensor | None = None, max_document_len: int | None = None, cache: dict | None = None,
+            head: bool = True, layer: Callable | None = None) -> Tensor | tuple[Tensor, dict]:
     """Logits [B, T, V] (in the parameters' dtype) for input_ids [B, T] (int).
 
     Args:
@@ -110,6 +110,12 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
         backend: implementations to run (default `Backend()`).
         document_ids: [B, T] int; packed documents are runs of equal ids, negative ids are padding.
             Default: one document per row. Not accepted with a cache.
+        max_document_len: a bound on the documents' lengths the caller knows on the host (the data pipeline
+            does). At most `config.index_topk` tells the gated-MLA layers that the indexer would select every
+            candidate: they skip it and attend densely over the documents (exactly the same result, and no
+            T×T mask on the 'gather' path); with an indexer only that comparison matters. Without one it bounds
+            the key window of each query block. Not checked against document_ids (that would read the device):
+            a wrong bound gives wrong attention.
         cache: a decode cache from `kimi.init_cache` (kimi/cache.py). The T tokens are then the next T of every
             row: they are written at slots [pos, pos + T) and attend to everything cached before them. The
             first call is the prefill (it may be split over several calls), T = 1 calls are decode steps.
@@ -117,7 +123,7 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
             runs under no_grad.
         head: False returns the final norm's output [B, T, D] instead of the logits (no cache), for a loss that
             applies the head itself (`kimi.loss.token_loss_sum` never holds the [B, T, V] logits).
-        layer: runs one decoder layer, `layer(p, h, R, plan, cfg, backend, seg=, reset=, cache=, step=) -> (h, R)`
+        layer: runs one decoder layer, `layer(p, h, R, plan, cfg, backend, ranges=, reset=, cache=, step=) -> (h, R)`
             with the signature of `layer_step` (the default). `p` is `params["model"]["layers"][i]` as given, never
             looked into here: a wrapper may put its own objects there (the FSDP units of `kimi.fsdp` do).
     """
@@ -125,8 +131,8 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
     if cache is not None:
         with torch.no_grad():
             return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache, layer=layer)
-    return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=None, head=head,
-                    layer=layer)
+    return _forward(params, input_ids, config, backend, document_ids=document_ids,
+                    max_document_len=max_document_len, cache=None, head=head, layer=layer)
 
 
 def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dict]]:
@@ -151,10 +157,12 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
         return compiled(p, h, R, *args, **kwargs)
 
     def regional_forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
-                         document_ids: Tensor | None = None, cache: dict | None = None, head: bool = True):
+                         document_ids: Tensor | None = None, max_document_len: int | None = None,
+                         cache: dict | None = None, head: bool = True):
         with torch.no_grad() if cache is not None else contextlib.nullcontext():
-            return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache,
-                            layer=layer, stacked=True, head=head or cache is not None)
+            return _forward(params, input_ids, config, backend, document_ids=document_ids,
+                            max_document_len=max_document_len, cache=cache, layer=layer, stacked=True,
+                            head=head or cache is not None)
 
     regional_forward.__doc__ = "`kimi.forward` (without `layer=`) with its decoder layers compiled per plan."
     return regional_forward
@@ -189,8 +197,8 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=layer_step, stacked=False,
-             head=True):
+def _forward(params, input_ids, config, backend, *, document_ids, cache, max_document_len=None, layer=layer_step,
+             stacked=False, head=True):
     backend = backend or DEFAULT_BACKEND
     cfg = config
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -212,12 +220,23 @@ def _forward(params, input_ids, config, backend, *, document_ids, cache, layer=l
             int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got "
                          f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-    seg, reset = document_runs(document_ids) if cache is None else (None, None)
+    if max_document_len is not None and (not isinstance(max_document_len, int) or isinstance(max_document_len, bool)
+                                         or max_document_len <= 0):
+        raise ValueError(f"max_document_len must be a positive integer, got {max_document_len!r}")
+    if cache is None:
+        span = max_document_len
+        if cfg.has_indexer and span is not None:
+            # With an indexer only "every document fits in index_topk" matters: other bounds map to T, one graph.
+            span = cfg.index_topk if span <= cfg.index_topk else None
+        ranges = document_ranges(document_ids, span)
+        reset = document_resets(document_ids)
+    else:
+        ranges, reset = step.ranges, None
     m = params["model"]
     h = torch.nn.functional.embedding(input_ids, m["embed_tokens"]["weight"])
     R: list[Tensor] | Tensor = h.new_empty(0, *h.shape) if stacked else []
     for i, p in enumerate(m["layers"]):
-        h, R = layer(p, h, R, layer_plan(cfg, i), cfg, backend, seg=seg, reset=reset,
+        h, R = layer(p, h, R, layer_plan(cfg, i), cfg, backend, ranges=ranges, reset=reset,
                      cache=None if cache is None else cache["layers"][i], step=step)
     if cfg.attn_res_block_size is not None:
         h = attn_res_mix(h, R, m["output_attn_res_norm"], m["output_attn_res_proj"], cfg.rms_norm_eps)

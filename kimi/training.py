@@ -104,13 +104,17 @@ class _MasterCast(torch.autograd.Function):
 
 def hidden_states(params, adapters, input_ids: Tensor, document_ids: Tensor, *, cfg: ModelConfig,
                   backend: Backend, dtype: torch.dtype, fp32_paths: frozenset[str], lora_scale: float,
-                  forward: Callable = model.forward, cast: Callable = cast_tree) -> tuple[Tensor, Tensor]:
+                  max_document_len: int | None = None, forward: Callable = model.forward,
+                  cast: Callable = cast_tree) -> tuple[Tensor, Tensor]:
     """The model up to the head: the final norm's output [B, T, D] and the head's weight [V, D], both in the compute
-    dtype (adapters merged). `forward`: `kimi.forward` or a compiled variant (`kimi.compile_layers(...)`);
-    `cast`: `cast_tree` or `compiled_cast()`."""
+    dtype (adapters merged). `max_document_len`: the data's longest document, as `kimi.forward` takes it.
+    `forward`: `kimi.forward` or a compiled variant (`kimi.compile_layers(...)`); `cast`: `cast_tree` or
+    `compiled_cast()`."""
     tree = lora.apply(params, adapters, lora_scale) if adapters else params
     tree = cast(tree, dtype, fp32_paths)
-    return forward(tree, input_ids, cfg, backend, document_ids=document_ids, head=False), head_weight(tree, cfg)
+    h = forward(tree, input_ids, cfg, backend, document_ids=document_ids, max_document_len=max_document_len,
+                head=False)
+    return h, head_weight(tree, cfg)
 
 
 def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: Tensor, *, hidden=hidden_states,

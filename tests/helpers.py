@@ -103,3 +103,19 @@ def router_params(cfg: kimi.ModelConfig, dtype=torch.float64) -> dict:
     return {"weight": torch.randn(E, D, dtype=dtype) * 0.3,
             "e_score_correction_bias": torch.randn(E, dtype=dtype) * 0.3}
 
+
+
+def run_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's document as a run number within its row (a new run wherever the id changes), -1 on padding:
+    the oracle's view of packed documents, computed independently of kimi.ranges."""
+    new = torch.ones_like(document_ids, dtype=torch.bool)
+    new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return torch.where(document_ids < 0, -1, new.long().cumsum(1) - 1)
+
+
+def visible_of(document_ids: torch.Tensor) -> torch.Tensor:
+    """The document-causal candidate mask [B, T, T] from the run numbers: s <= t, same run, t not padding."""
+    seg = run_ids(document_ids)
+    T = seg.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return causal & (seg[:, :, None] == seg[:, None, :]) & (seg >= 0)[:, :, None]

@@ -18,15 +18,15 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import kimi
 from helpers import rel_err, tiny
 from kimi.config import KDAConfig
-from kimi.indexer import visible_keys
 from kimi.ops.lightning_index import topk_reference
-from kimi.model import document_runs
+from kimi.ranges import document_ranges
 
 CFG = tiny(num_hidden_layers=2, attn_res_block_size=1,
            linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
 BACKENDS = [kimi.Backend(kda="chunk"), kimi.Backend(attn="eager", kda="recurrent", moe="dense"),
             kimi.Backend(attn="eager", mla_form="absorbed", kda="chunk", moe="dense"),
-            kimi.Backend(kda="chunk_opaque"), kimi.Backend(kda="chunk_triton")]
+            kimi.Backend(kda="chunk_opaque"), kimi.Backend(kda="chunk_triton"),
+            kimi.Backend(attn="gather", kda="chunk")]
 
 
 @pytest.fixture(autouse=True)
@@ -87,13 +87,14 @@ def _op_samples():
     beta, v, s0 = torch.rand(B, T, H, dtype=torch.float64), r(B, T, H, V), r(B, H, K, V)
     reset = torch.zeros(B, T, dtype=torch.bool)
     reset[0, 3] = True
-    seg, _ = document_runs(torch.tensor([[0] * 2 + [1] * 4, [3] * 5 + [-1] * 1]))
+    doc = torch.tensor([[0] * 2 + [1] * 4, [3] * 5 + [-1] * 1])
+    rg = document_ranges(doc)
     cfg = tiny()
     Hm = cfg.num_attention_heads
     qm, c, kpe = r(B, T, Hm, cfg.qk_head_dim), r(B, T, cfg.kv_lora_rank), r(B, T, cfg.qk_rope_head_dim)
     kvb = r(Hm * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank) * 0.2
-    idx = topk_reference(r(B, T, T), visible_keys(seg), 3)
-    vis = visible_keys(seg)[:, 3:]                                 # 3 queries over 6 keys (a cached call's shape)
+    idx = topk_reference(r(B, T, T), rg.mask(T), 3)
+    vis = rg.mask(T)[:, 3:]                                        # 3 queries over 6 keys (a cached call's shape)
     E, m, Z, N = cfg.num_experts, cfg.moe_intermediate_size, cfg.routed_expert_hidden_size, 12
     z = torch.randn(N, Z)
     eidx = torch.stack([torch.randperm(E)[:2] for _ in range(N)])
@@ -120,13 +121,18 @@ def _op_samples():
                            (r(4, 3, 16, 8, dt=f32), r(4, 3, 16, 8, dt=f32), torch.rand(4, 3, 8),
                             r(4, 3, 8, 8, dt=f32), r(4, 3, 16, 8, dt=f32), r(4, 8, 8, dt=f32)), {}),
         "kda_step": (k_ops.kda_step.default, (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0), dict(scale=0.3)),
-        "indexer_topk": (k_ops.indexer_topk.default, (r(B, 3, 2, 8), r(B, T, 8), r(B, 3, 2), vis), dict(topk=4)),
-        "sparse_mla_eager": (k_ops.sparse_mla_eager.default, (qm, c, kpe, kvb, visible_keys(seg), idx),
+        "indexer_topk": (k_ops.indexer_topk.default, (r(B, 3, 2, 8), r(B, T, 8), r(B, 3, 2), rg.lo[:, 3:],
+                                                      rg.hi[:, 3:]), dict(topk=4, block=2)),
+        "sparse_mla_eager": (k_ops.sparse_mla_eager.default, (qm, c, kpe, kvb, rg.mask(T), idx),
                              dict(scale=cfg.softmax_scale)),
         "sparse_mla_sdpa": (k_ops.sparse_mla_sdpa.default, (qm[:, 3:], c, kpe, kvb, vis, None),
                             dict(scale=cfg.softmax_scale)),
-        "sparse_mla_absorbed": (k_ops.sparse_mla_absorbed.default, (qm, c, kpe, kvb, visible_keys(seg), idx),
+        "sparse_mla_absorbed": (k_ops.sparse_mla_absorbed.default, (qm, c, kpe, kvb, rg.mask(T), idx),
                                 dict(scale=cfg.softmax_scale)),
+        "sparse_mla_gathered": (k_ops.sparse_mla_gathered.default, (qm, c, kpe, kvb, rg.lo, rg.hi, idx),
+                                dict(scale=cfg.softmax_scale, span=T, causal=True, block=4)),
+        "sparse_mla_gathered[dense]": (k_ops.sparse_mla_gathered.default, (qm, c, kpe, kvb, rg.lo, rg.hi, None),
+                                      dict(scale=cfg.softmax_scale, span=5, causal=True, block=4)),
         "sparse_mla_gather": (k_ops.sparse_mla_gather.default, (qg, latent, gidx), dict(scale=0.3, d_v=8, block=2)),
         "sparse_mla_gather_bwd": (k_ops.sparse_mla_gather_bwd.default,
                                   (qg, latent, gidx, *k_ops.sparse_mla_gather(qg, latent, gidx, scale=0.3, d_v=8),
@@ -143,7 +149,7 @@ def _op_samples():
 def test_every_registered_op_is_covered():
     registered = {name for name in dir(torch.ops.kimi) if not name.startswith("_") and
                   isinstance(getattr(torch.ops.kimi, name), torch._ops.OpOverloadPacket)}
-    assert registered == set(_op_samples())
+    assert registered == {name.split("[")[0] for name in _op_samples()}   # "op[variant]": another sample
 
 
 @pytest.mark.parametrize("name", sorted(_op_samples()))

@@ -24,7 +24,9 @@ from kimi.config import KDAConfig
 CFG = tiny(num_hidden_layers=4, index_topk=4, index_rope_dim=8,
            linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1, 3), full_attn_layers=(2, 4)))
 F64 = [kimi.Backend(attn="eager", mla_form="expanded", kda="recurrent", moe="dense"),
-       kimi.Backend(mla_form="absorbed", kda="chunk", moe="dense")]
+       kimi.Backend(mla_form="absorbed", kda="chunk", moe="dense"),
+       kimi.Backend(attn="gather", kda="chunk", moe="dense")]
+F64_IDS = ["eager-expanded-recurrent", "eager-absorbed-chunk", "gather-chunk"]
 TOL64 = 1e-12
 
 
@@ -50,7 +52,7 @@ def test_selection_matters(params64):
     assert rel_err(sparse[:, :4], dense[:, :4]) < TOL64      # up to 4 keys everything is selected
 
 
-@pytest.mark.parametrize("backend", F64, ids=["eager-expanded-recurrent", "eager-absorbed-chunk"])
+@pytest.mark.parametrize("backend", F64, ids=F64_IDS)
 def test_prefill_then_decode_equals_forward(params64, backend):
     B, T0, N = 2, 7, 6
     ids = _ids(B, T0 + N)
@@ -106,8 +108,8 @@ def test_chunked_prefill_equals_one_shot(params64):
     assert int(chunked["pos"]) == T
 
 
-def test_unequal_prompts_equal_each_alone(params64):
-    backend = F64[0]
+@pytest.mark.parametrize("backend", [F64[0], F64[2]], ids=[F64_IDS[0], F64_IDS[2]])
+def test_unequal_prompts_equal_each_alone(params64, backend):
     prompts = [_ids(1, n)[0].tolist() for n in (3, 10, 6)]
     ids, start = kimi.left_pad(prompts, CFG.pad_token_id)
     assert start.tolist() == [7, 0, 4] and ids[0, :7].eq(CFG.pad_token_id).all()

@@ -4,10 +4,10 @@ every candidate kept when there are at most k, ties to the smaller index; query-
 import torch
 from hypothesis import given, strategies as st
 
-from kimi.indexer import visible_keys
-from kimi.model import document_runs
+from helpers import run_ids, visible_of
 from kimi.ops import lightning_index
 from kimi.ops.lightning_index import topk_reference
+from kimi.ranges import document_ranges
 
 
 @st.composite
@@ -41,13 +41,15 @@ def _oracle(scores, seg, topk):
 
 @given(doc=packed_rows(), topk=st.integers(1, 45), ties=st.booleans())
 def test_topk_invariants(doc, topk, ties):
-    seg, _ = document_runs(doc)
+    seg = run_ids(doc)
     B, T = doc.shape
     scores = torch.randn(B, T, T, dtype=torch.float64)
     if ties:  # few distinct values: exact ties everywhere (as ReLU zeros produce)
         scores = scores.round().clamp(-1, 1)
-    vis = visible_keys(seg)
+    vis = visible_of(doc)
+    assert torch.equal(document_ranges(doc).mask(T), vis)            # the ranges are the document-causal mask
     idx = topk_reference(scores, vis, topk)
+    assert torch.equal(lightning_index.select_topk(scores, vis, topk), idx)   # same selection without a sort
     assert idx.dtype == torch.int32 and idx.shape == (B, T, topk)
     n = vis.sum(-1)                                                   # candidates per query
     valid = idx >= 0

@@ -6,18 +6,23 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from helpers import rel_err, tiny
-from kimi.indexer import visible_keys
-from kimi.model import document_runs
+from helpers import rel_err, tiny, visible_of
 from kimi.ops import IMPLEMENTATIONS, lightning_index
 from kimi.ops.lightning_index import topk_reference
 from kimi.ops.sparse_attention import select_visible
+from kimi.ranges import document_ranges
 
 FORMS = sorted(IMPLEMENTATIONS["attn"])   # (attn, mla_form)
 
 
-def sparse_mla(q, c, k_pe, kv_b, seg, idx, *, scale, form):
-    return IMPLEMENTATIONS["attn"][form](q, c, k_pe, kv_b, visible_keys(seg), idx, scale=scale)
+def sparse_mla(q, c, k_pe, kv_b, doc, idx, *, scale, form, span=None, block=4):
+    """One implementation on packed documents doc [B, T]: the dense-mask references get the mask, the range-based
+    ones the ranges (queries in blocks of `block`)."""
+    r = document_ranges(doc, span)
+    if form[0] == "gather":
+        return IMPLEMENTATIONS["attn"][form](q, c, k_pe, kv_b, r.lo, r.hi, idx, scale=scale, span=r.span,
+                                             causal=True, block=block)
+    return IMPLEMENTATIONS["attn"][form](q, c, k_pe, kv_b, r.mask(doc.shape[1]), idx, scale=scale)
 
 
 def _inputs(cfg, B, T, dtype, grad=False):
@@ -52,25 +57,26 @@ def _oracle(q, c, k_pe, kv_b, keep, cfg):
 def test_sparse_attention_matches_loop_oracle(attn, form):
     cfg = tiny()
     doc = torch.tensor([[0] * 5 + [1] * 9, [2] * 11 + [-1] * 3])
-    seg, _ = document_runs(doc)
     q, c, k_pe, kv_b = _inputs(cfg, 2, 14, torch.float64)
-    idx = topk_reference(torch.randn(2, 14, 14, dtype=torch.float64), visible_keys(seg), 4)
-    out = sparse_mla(q, c, k_pe, kv_b, seg, idx, scale=cfg.softmax_scale, form=(attn, form))
-    ref = _oracle(q, c, k_pe, kv_b, select_visible(visible_keys(seg), idx), cfg)
+    idx = topk_reference(torch.randn(2, 14, 14, dtype=torch.float64), visible_of(doc), 4)
+    out = sparse_mla(q, c, k_pe, kv_b, doc, idx, scale=cfg.softmax_scale, form=(attn, form))
+    ref = _oracle(q, c, k_pe, kv_b, select_visible(visible_of(doc), idx), cfg)
     assert rel_err(out, ref) < 1e-12
+    dense = sparse_mla(q, c, k_pe, kv_b, doc, None, scale=cfg.softmax_scale, form=(attn, form))
+    assert rel_err(dense, _oracle(q, c, k_pe, kv_b, visible_of(doc), cfg)) < 1e-12
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_absorbed_equals_expanded_with_gradients(dtype, tol):
     cfg = tiny()
-    seg, _ = document_runs(torch.tensor([[0] * 7 + [1] * 10]))
-    idx = topk_reference(torch.randn(1, 17, 17), visible_keys(seg), 5)
+    doc = torch.tensor([[0] * 7 + [1] * 10])
+    idx = topk_reference(torch.randn(1, 17, 17), visible_of(doc), 5)
     base = _inputs(cfg, 1, 17, dtype)
     weight = torch.randn(1, 17, cfg.num_attention_heads, cfg.v_head_dim, dtype=dtype)
     results = []
     for attn, form in FORMS:
         inputs = [t.clone().requires_grad_() for t in base]
-        out = sparse_mla(*inputs, seg, idx, scale=cfg.softmax_scale, form=(attn, form))
+        out = sparse_mla(*inputs, doc, idx, scale=cfg.softmax_scale, form=(attn, form))
         (out * weight).sum().backward()
         results.append((out.detach(), [t.grad for t in inputs]))
     out0, grads0 = results[0]
@@ -87,22 +93,25 @@ def test_full_selection_equals_dense_and_future_keys_never_leak(lens, attn_form)
     cfg = tiny()
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
     T = doc.shape[1]
-    seg, _ = document_runs(doc)
     q, c, k_pe, kv_b = _inputs(cfg, 1, T, torch.float64)
-    dense = sparse_mla(q, c, k_pe, kv_b, seg, None, scale=cfg.softmax_scale, form=(attn, form))
-    full = topk_reference(torch.randn(1, T, T), visible_keys(seg), T)          # every visible key selected
-    assert rel_err(sparse_mla(q, c, k_pe, kv_b, seg, full, scale=cfg.softmax_scale, form=(attn, form)), dense) < 1e-13
+    dense = sparse_mla(q, c, k_pe, kv_b, doc, None, scale=cfg.softmax_scale, form=(attn, form))
+    full = topk_reference(torch.randn(1, T, T), visible_of(doc), T)            # every visible key selected
+    assert rel_err(sparse_mla(q, c, k_pe, kv_b, doc, full, scale=cfg.softmax_scale, form=(attn, form)), dense) < 1e-13
     everything = torch.arange(T, dtype=torch.int32).expand(1, T, T)             # a selection holding future keys
-    leaked = sparse_mla(q, c, k_pe, kv_b, seg, everything, scale=cfg.softmax_scale, form=(attn, form))
+    leaked = sparse_mla(q, c, k_pe, kv_b, doc, everything, scale=cfg.softmax_scale, form=(attn, form))
     assert rel_err(leaked, dense) < 1e-13
+    # The dense path's key window: documents of at most max(lens) tokens need no key before t - max(lens) + 1.
+    banded = sparse_mla(q, c, k_pe, kv_b, doc, None, scale=cfg.softmax_scale, form=(attn, form), span=max(lens),
+                        block=2)
+    assert rel_err(banded, dense) < 1e-13
 
 
 @pytest.mark.parametrize("attn,form", FORMS)
 def test_rows_without_keys_are_zero_with_zero_gradient(attn, form):
     cfg = tiny()
-    seg, _ = document_runs(torch.tensor([[0, 0, 0, -1, -1]]))
+    doc = torch.tensor([[0, 0, 0, -1, -1]])
     q, c, k_pe, kv_b = _inputs(cfg, 1, 5, torch.float32, grad=True)
-    out = sparse_mla(q, c, k_pe, kv_b, seg, None, scale=cfg.softmax_scale, form=(attn, form))
+    out = sparse_mla(q, c, k_pe, kv_b, doc, None, scale=cfg.softmax_scale, form=(attn, form))
     assert torch.equal(out[:, 3:], torch.zeros_like(out[:, 3:]))
     out.square().sum().backward()
     for t in (q, c, k_pe, kv_b):
@@ -168,10 +177,10 @@ def test_gather_equals_the_absorbed_layer_form_in_float32():
     """The model's absorbed attention (W_UK folded into q, W_UV after) through the gathering op gives
     `sparse_mla_absorbed`'s output on the indexer's selection, with fp32 inputs."""
     cfg = tiny()
-    seg, _ = document_runs(torch.tensor([[0] * 9 + [1] * 15, [2] * 20 + [-1] * 4]))
+    doc = torch.tensor([[0] * 9 + [1] * 15, [2] * 20 + [-1] * 4])
     q, c, k_pe, kv_b = _inputs(cfg, 2, 24, torch.float32)
-    idx = topk_reference(torch.randn(2, 24, 24), visible_keys(seg), 6)
-    want = sparse_mla(q, c, k_pe, kv_b, seg, idx, scale=cfg.softmax_scale, form=("eager", "absorbed"))
+    idx = topk_reference(torch.randn(2, 24, 24), visible_of(doc), 6)
+    want = sparse_mla(q, c, k_pe, kv_b, doc, idx, scale=cfg.softmax_scale, form=("eager", "absorbed"))
     H, dn, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
     W = kv_b.view(H, -1, R)
     Q = torch.cat([torch.einsum("bthd,hdr->bthr", q[..., :dn], W[:, :dn]), q[..., dn:]], -1)
@@ -181,19 +190,23 @@ def test_gather_equals_the_absorbed_layer_form_in_float32():
     assert rel_err(got, want) < 1e-5
 
 
-def test_blocked_indexer_topk_equals_the_masked_one():
-    """Top-k from ranges, queries in blocks, equals the dense-mask top-k (documents, padding, cache-like ranges)."""
-    B, T, S, n, d = 2, 19, 19, 3, 8
+@pytest.mark.parametrize("cached", [False, True])
+def test_blocked_indexer_topk_equals_the_masked_one(cached):
+    """Top-k from ranges, queries in blocks, equals the dense-mask top-k: documents and padding without a cache
+    (causal: each block scores only the keys before its end), left-padded rows over a cache's slots with one."""
+    from kimi.ranges import cache_ranges
+    B, n, d = 2, 3, 8
+    if cached:
+        T, S = 6, 19
+        r = cache_ranges(torch.arange(9, 9 + T), torch.tensor([0, 11]), S)      # row 1: slots 9, 10 are padding
+    else:
+        T = S = 19
+        r = document_ranges(torch.tensor([[0] * 7 + [1] * 12, [4] * 15 + [-1] * 4]))
     q, k, w = torch.randn(B, T, n, d), torch.randn(B, S, d), torch.randn(B, T, n)
-    seg, _ = document_runs(torch.tensor([[0] * 7 + [1] * 12, [4] * 15 + [-1] * 4]))
-    vis = visible_keys(seg)
-    t = torch.arange(T)
-    lo = torch.where(vis.any(-1), vis.int().argmax(-1), t)
-    hi = torch.where(vis.any(-1), t + 1, t)
-    assert torch.equal(lightning_index.range_mask(lo, hi, S), vis)
-    want = lightning_index.indexer_topk(q, k, w, vis, topk=5)
+    want = topk_reference(lightning_index.scores(q, k, w), r.mask(S), 5)
     for block in (1, 4, 19, 64):
-        assert torch.equal(lightning_index.indexer_topk_blocked(q, k, w, lo, hi, topk=5, block=block), want)
+        got = lightning_index.indexer_topk_blocked(q, k, w, r.lo, r.hi, topk=5, causal=r.causal, block=block)
+        assert torch.equal(got, want)
 
 
 def test_gather_path_allocates_nothing_of_size_t_by_s():
@@ -216,7 +229,8 @@ def test_gather_path_allocates_nothing_of_size_t_by_s():
     qi, ki, wi = torch.randn(1, T, 2, 8), torch.randn(1, S, 8), torch.randn(1, T, 2)
     t = torch.arange(T)[None]
     with Largest():
-        idx = lightning_index.indexer_topk_blocked(qi, ki, wi, torch.zeros_like(t), t + 1, topk=8, block=32)
+        idx = lightning_index.indexer_topk_blocked(qi, ki, wi, torch.zeros_like(t), t + 1, topk=8, causal=True,
+                                                   block=32)
         o, lse = torch.ops.kimi.sparse_mla_gather(q, latent, idx, scale=0.2, d_v=16, block=32)
         o.square().sum().backward()
     assert 0 < Largest.largest < T * S, Largest.largest

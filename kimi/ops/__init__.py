@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..config import Backend
+from ..ranges import KeyRanges
 from . import delta_rule, experts, lightning_index, sparse_attention
 from .registry import triton_available
 
@@ -36,9 +37,12 @@ IMPLEMENTATIONS: dict[str, dict] = {
         "chunk_triton": torch.ops.kimi.kda_chunk_triton.default,
     },
     "attn": {   # keyed by (Backend.attn, Backend.mla_form)
+        # the dense-mask references: (q, c, k_pe, kv_b, visible [B, T, S], topk_idx, *, scale)
         ("eager", "expanded"): torch.ops.kimi.sparse_mla_eager.default,
         ("sdpa", "expanded"): torch.ops.kimi.sparse_mla_sdpa.default,
         ("eager", "absorbed"): torch.ops.kimi.sparse_mla_absorbed.default,
+        # from ranges, nothing of size T×S: (q, c, k_pe, kv_b, lo, hi, topk_idx, *, scale, span, causal, block)
+        ("gather", "absorbed"): torch.ops.kimi.sparse_mla_gathered.default,
     },
     "moe": {
         "dense": torch.ops.kimi.moe_experts_dense.default,
@@ -51,21 +55,31 @@ IMPLEMENTATIONS: dict[str, dict] = {
 GEMV_MAX_TOKENS = 64
 """`moe="auto"` runs the gemv kernel for at most this many tokens (decoding), the grouped GEMM above."""
 
+DENSE_MASK_MAX_KEYS = 8192
+"""`attn="auto"` runs a dense-mask reference for at most this many keys (where it is still the fastest torch path,
+docs/performance.md#sparse-attention) and the range-based 'gather' path beyond, or whenever every candidate is
+attended without a cache (dense attention over the ranges needs no mask of size T×S)."""
+
+QUERY_BLOCK = 1024
+"""Queries a block on the range-based paths (indexer scores and top-k, dense attention over the ranges)."""
+
 
 def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, tokens: int | None = None,
-            cached: bool = False) -> Backend:
+            cached: bool = False, keys: int | None = None, every_candidate: bool = False) -> Backend:
     """`backend` with every "auto" replaced by the implementation that runs here:
 
     - kda: 'chunk_triton' on a CUDA device with Triton (not for float64); 'chunk_opaque' while torch.compile
       traces on a CPU (Inductor's CPU code generation for the traced chunk algebra takes minutes); else 'chunk'.
-    - mla_form: 'absorbed' with a decode cache (attention over the cached 576-wide latents, nothing re-expanded),
-      'expanded' without one (or with attn='sdpa').
-    - attn: 'sdpa' for the expanded form, 'eager' for the absorbed one.
+    - attn: 'gather' for more than `DENSE_MASK_MAX_KEYS` keys, or without a cache when every candidate is
+      attended (`every_candidate`: documents no longer than index_topk, or no indexer), unless mla_form='expanded'
+      is asked for; otherwise 'sdpa' for the expanded form and 'eager' for the absorbed one.
+    - mla_form: 'absorbed' for attn='gather' and with a decode cache (attention over the cached 576-wide latents,
+      nothing re-expanded), 'expanded' without one (or with attn='sdpa').
     - moe: 'gemv' for at most `GEMV_MAX_TOKENS` tokens on a CUDA device with Triton; 'grouped' for
       float32/bfloat16; 'dense' otherwise.
 
-    The facts are the call's: its device, activation dtype, routed tokens and whether it runs on a cache. Concrete
-    choices are kept as given."""
+    The facts are the call's: its device, activation dtype, routed tokens, whether it runs on a cache, its key
+    count. Concrete choices are kept as given."""
     triton_here = device.type == "cuda" and triton_available(device)
     kda = backend.kda
     if kda == "auto":
@@ -73,10 +87,12 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
             kda = "chunk_triton"
         else:
             kda = "chunk_opaque" if device.type == "cpu" and torch.compiler.is_compiling() else "chunk"
-    form = backend.mla_form
+    form, attn = backend.mla_form, backend.attn
+    if attn == "auto" and form != "expanded" and keys is not None and (
+            keys > DENSE_MASK_MAX_KEYS or (every_candidate and not cached)):
+        attn = "gather"
     if form == "auto":
-        form = "absorbed" if cached and backend.attn != "sdpa" else "expanded"
-    attn = backend.attn
+        form = "absorbed" if attn == "gather" or (cached and attn != "sdpa") else "expanded"
     if attn == "auto":
         attn = "eager" if form == "absorbed" else "sdpa"
     moe = backend.moe
@@ -108,20 +124,27 @@ def kda_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Te
     return torch.ops.kimi.kda_step.default(q, k, v, g, beta, state, scale=scale)
 
 
-def indexer_topk(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, *, topk: int) -> Tensor:
+def indexer_topk(q: Tensor, k: Tensor, w: Tensor, ranges: KeyRanges, *, topk: int) -> Tensor:
     """Indexer scores and top-k (docs/numerics.md#top-k): q [B, T, n, d], k [B, S, d], w [B, T, n] (scales
-    folded in), visible [B, T, S] bool the candidate keys. Returns int32 [B, T, topk]: valid key positions
-    ascending, then -1."""
-    return torch.ops.kimi.indexer_topk.default(q, k, w, visible, topk=topk)
+    folded in), the queries' candidate ranges. Returns int32 [B, T, topk]: valid key positions ascending, then -1.
+    Queries run in blocks of `QUERY_BLOCK`: no T×S score buffer."""
+    return torch.ops.kimi.indexer_topk.default(q, k, w, ranges.lo, ranges.hi, topk=topk, causal=ranges.causal,
+                                               block=QUERY_BLOCK)
 
 
-def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: Tensor, topk_idx: Tensor | None, *,
+def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, ranges: KeyRanges, topk_idx: Tensor | None, *,
                scale: float, backend: Backend) -> Tensor:
     """Gated MLA's attention over the selected keys (docs/numerics.md#sparse-attention): q [B, T, H, d_n + d_r],
-    latent c [B, S, R], k_pe [B, S, d_r], the kv_b_proj weight, visible [B, T, S] bool, topk_idx int32 [B, T, k]
-    or None (every visible key). Returns o [B, T, H, d_v]."""
-    b = resolve(backend, device=q.device, dtype=q.dtype)
-    return IMPLEMENTATIONS["attn"][b.attn, b.mla_form](q, c, k_pe, kv_b, visible, topk_idx, scale=scale)
+    latent c [B, S, R], k_pe [B, S, d_r], the kv_b_proj weight, the queries' candidate ranges, topk_idx int32
+    [B, T, k] or None (every candidate). Returns o [B, T, H, d_v]. The dense-mask references get the ranges as a
+    [B, T, S] mask."""
+    b = resolve(backend, device=q.device, dtype=q.dtype, cached=not ranges.causal, keys=c.shape[1],
+                every_candidate=topk_idx is None)
+    fn = IMPLEMENTATIONS["attn"][b.attn, b.mla_form]
+    if b.attn == "gather":
+        return fn(q, c, k_pe, kv_b, ranges.lo, ranges.hi, topk_idx, scale=scale, span=ranges.span,
+                  causal=ranges.causal, block=QUERY_BLOCK)
+    return fn(q, c, k_pe, kv_b, ranges.mask(c.shape[1]), topk_idx, scale=scale)
 
 
 def moe_experts(z: Tensor, idx: Tensor, weight: Tensor, experts: dict, *, beta: float, beta_lin: float | None,

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..common import compute_dtype
-from .registry import traceable
+from ..ranges import range_mask
 
 
 def scores(q: Tensor, k: Tensor, w: Tensor, *, max_logits: int = 1 << 28) -> Tensor:
@@ -48,31 +48,47 @@ def topk_reference(scores: Tensor, valid: Tensor, topk: int) -> Tensor:
     return idx
 
 
-def indexer_topk(q: Tensor, k: Tensor, w: Tensor, visible: Tensor, *, topk: int) -> Tensor:
-    """Scores and the top-k over the candidates visible [B, T, S] bool (the `kimi::indexer_topk` op): without a
-    cache the document-causal keys (S = T), with one the valid cache slots."""
-    return topk_reference(scores(q, k, w), visible, topk)
+def select_topk(scores: Tensor, valid: Tensor, topk: int) -> Tensor:
+    """`topk_reference`'s selection without sorting whole rows: the k-th largest valid score by `torch.topk`,
+    every key above it, and of the keys equal to it the ones with the smallest positions; then the chosen
+    positions compacted in ascending order. scores [..., S], valid [..., S] bool -> int32 [..., topk]."""
+    S = scores.shape[-1]
+    kk = min(topk, S)
+    masked = scores.masked_fill(~valid, float("-inf"))
+    kth = masked.topk(kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)   # -inf when < kk candidates
+    above = masked > kth
+    tie = valid & (masked == kth)
+    room = kk - above.sum(-1, keepdim=True, dtype=torch.int32)
+    keep = above | (tie & (tie.cumsum(-1, dtype=torch.int32) <= room))
+    pos = torch.arange(S, dtype=torch.int32, device=scores.device)
+    idx = torch.where(keep, pos, S).topk(kk, dim=-1, largest=False, sorted=True).values
+    idx = torch.where(idx == S, -1, idx)
+    if kk < topk:
+        idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], topk - kk), -1)], dim=-1)
+    return idx
 
 
-traceable("indexer_topk(Tensor q, Tensor k, Tensor w, Tensor visible, *, int topk) -> Tensor", indexer_topk)
-
-
-# ---------------------------------------------------------------------------------------------- from ranges
-
-def range_mask(lo: Tensor, hi: Tensor, S: int) -> Tensor:
-    """Candidate keys as a mask [B, T, S] from per-query ranges [lo, hi) (lo, hi [B, T] int64; lo = hi: none)."""
-    s = torch.arange(S, device=lo.device)
-    return (s >= lo[..., None]) & (s < hi[..., None])
-
-
+@torch.library.custom_op("kimi::indexer_topk", mutates_args=())
 def indexer_topk_blocked(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, *, topk: int,
-                         block: int = 1024) -> Tensor:
-    """`indexer_topk` over the candidates [lo_t, hi_t) of each query, `block` queries at a time: nothing of size
-    T×S exists beyond one block's scores and mask [B, block, S]. Same selection as `indexer_topk` with
-    visible = `range_mask(lo, hi, S)`. q [B, T, n, d], k [B, S, d], w [B, T, n], lo/hi [B, T] -> int32
-    [B, T, topk]."""
+                         causal: bool = False, block: int = 1024) -> Tensor:
+    """Scores and the top-k over each query's candidates [lo_t, hi_t) (the `kimi::indexer_topk` op), `block`
+    queries at a time: nothing of size T×S exists beyond one block's scores [B, block, S].
+
+    q [B, T, n, d], k [B, S, d] (without a cache the layer's own keys, S = T; with one the cached keys),
+    w [B, T, n] (scales folded in), lo, hi [B, T] int64 -> int32 [B, T, topk]. `causal`: query t is key t
+    (no cache), so a block of queries scores only the keys before its end.
+
+    An opaque op (the block loop is not traced: one graph serves every length) without a gradient."""
     S = k.shape[1]
-    out = [topk_reference(scores(q[:, t:t + block], k, w[:, t:t + block]),
-                          range_mask(lo[:, t:t + block], hi[:, t:t + block], S), topk)
-           for t in range(0, q.shape[1], block)]
+    out = []
+    for t in range(0, q.shape[1], block):
+        end = min(t + block, S) if causal else S
+        s = scores(q[:, t:t + block], k[:, :end], w[:, t:t + block])
+        valid = range_mask(lo[:, t:t + block], hi[:, t:t + block], end)
+        out.append(select_topk(s, valid, topk))
     return torch.cat(out, dim=1) if out else q.new_empty(q.shape[0], 0, topk, dtype=torch.int32)
+
+
+@indexer_topk_blocked.register_fake
+def _(q, k, w, lo, hi, *, topk, causal=False, block=1024):
+    return q.new_empty(*q.shape[:2], topk, dtype=torch.int32)

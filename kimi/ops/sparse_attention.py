@@ -24,6 +24,7 @@ from einops import rearrange
 from torch import Tensor
 
 from ..common import compute_dtype
+from ..ranges import KeyRanges, range_mask
 from .registry import traceable
 
 
@@ -74,12 +75,16 @@ def _attend_shared(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) 
     return rearrange(o, "b (t h) f -> b h t f", h=H)
 
 
-def _expanded(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, keep: Tensor, scale: float, attend) -> Tensor:
-    H = q.shape[2]
-    dn = q.shape[-1] - k_pe.shape[-1]
+def _expand_kv(c: Tensor, k_pe: Tensor, kv_b: Tensor, H: int, dn: int) -> tuple[Tensor, Tensor]:
+    """Per-head keys [B, H, S, d_n + d_r] and values [B, H, S, d_v] from the latent through kv_b_proj."""
     W = rearrange(kv_b, "(h d) r -> h d r", h=H)                               # [H, d_n + d_v, R]
     k_nope, v = torch.einsum("bsr,hdr->bhsd", c, W).split([dn, W.shape[1] - dn], dim=-1)
     k = torch.cat([k_nope, k_pe[:, None].expand(-1, H, -1, -1)], dim=-1)      # k_pe shared by all heads
+    return k, v
+
+
+def _expanded(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, keep: Tensor, scale: float, attend) -> Tensor:
+    k, v = _expand_kv(c, k_pe, kv_b, q.shape[2], q.shape[-1] - k_pe.shape[-1])
     return attend(q.transpose(1, 2), k, v, keep, scale).transpose(1, 2)       # [B, T, H, d_v]
 
 
@@ -99,18 +104,29 @@ def sparse_mla_sdpa(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: T
     return _expanded(q, c, k_pe, kv_b, select_visible(visible, topk_idx), scale, _attend_sdpa)
 
 
+def absorb_query(q: Tensor, kv_b: Tensor, d_r: int) -> Tensor:
+    """The absorbed query [B, T, H, R + d_r] = [W_UKᵀ q_nope ; q_rope] (docs/numerics.md#absorbed-form)."""
+    H = q.shape[2]
+    dn = q.shape[-1] - d_r
+    W_uk = rearrange(kv_b, "(h d) r -> h d r", h=H)[:, :dn]
+    q_nope, q_pe = q.split([dn, d_r], dim=-1)
+    return torch.cat([torch.einsum("bthd,hdr->bthr", q_nope, W_uk), q_pe], dim=-1)
+
+
+def unabsorb_output(o_lat: Tensor, kv_b: Tensor, d_n: int) -> Tensor:
+    """o [B, T, H, d_v] = W_UV o_lat from the attention output over the latent o_lat [B, T, H, R]."""
+    W_uv = rearrange(kv_b, "(h d) r -> h d r", h=o_lat.shape[2])[:, d_n:]
+    return torch.einsum("bthr,hdr->bthd", o_lat, W_uv)
+
+
 def sparse_mla_absorbed(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: Tensor,
                         topk_idx: Tensor | None, *, scale: float) -> Tensor:
     """`sparse_mla_eager` in the absorbed form: attention over the shared latent [c ; k_pe], same σ."""
-    H = q.shape[2]
-    dn = q.shape[-1] - k_pe.shape[-1]
-    W = rearrange(kv_b, "(h d) r -> h d r", h=H)
-    q_nope, q_pe = q.split([dn, k_pe.shape[-1]], dim=-1)
-    q_lat = torch.einsum("bthd,hdr->bhtr", q_nope, W[:, :dn])                  # W_UK folded into q
-    Q = torch.cat([q_lat, q_pe.transpose(1, 2)], dim=-1)                       # [B, H, T, R + d_r]
+    d_r = k_pe.shape[-1]
+    Q = absorb_query(q, kv_b, d_r).transpose(1, 2)                             # [B, H, T, R + d_r]
     KV = torch.cat([c, k_pe], dim=-1)                                          # [B, S, R + d_r]
     o_lat = _attend_shared(Q, KV, c, select_visible(visible, topk_idx), scale)  # [B, H, T, R]
-    return torch.einsum("bhtr,hdr->bthd", o_lat, W[:, dn:])                    # W_UV after attention
+    return unabsorb_output(o_lat.transpose(1, 2), kv_b, q.shape[-1] - d_r)
 
 
 _SCHEMA = "(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor visible, Tensor? topk_idx, *, float scale) -> Tensor"
@@ -152,13 +168,25 @@ def _block_forward(q: Tensor, kv: Tensor, valid: Tensor, scale: float, d_v: int)
     return o.to(q.dtype), lse
 
 
+GATHER_ELEMENTS = 1 << 28
+"""Without an explicit `block` the gathering attention takes as many queries a block as keep its gathered latents
+[B, block, k, D] at most this many elements (1 GiB in fp32)."""
+
+
+def _gather_rows(latent: Tensor, indices: Tensor, block: int | None) -> int:
+    B, _, k = indices.shape
+    return block or max(1, min(1024, GATHER_ELEMENTS // max(1, B * k * latent.shape[-1])))
+
+
 @torch.library.custom_op("kimi::sparse_mla_gather", mutates_args=())
 def sparse_mla_gather(q: Tensor, latent: Tensor, indices: Tensor, *, scale: float, d_v: int,
-                      block: int = 1024) -> tuple[Tensor, Tensor]:
+                      block: int | None = None) -> tuple[Tensor, Tensor]:
     """Attention over the selected latents: q [B, T, H, D] (W_UK absorbed, D = kv_lora_rank + d_r), latent
     [B, S, D] (values: its first `d_v` columns), indices int32 [B, T, k] (positions in S, -1 padded) ->
     (o [B, T, H, d_v] in q's dtype, lse [B, T, H] fp32, or fp64 for fp64 q). A row without keys gives o = 0 and
-    lse = -inf. The caller's selection must already respect visibility (the indexer only picks candidates)."""
+    lse = -inf. The caller's selection must already respect visibility (the indexer only picks candidates).
+    `block`: queries a block (default: by `GATHER_ELEMENTS`)."""
+    block = _gather_rows(latent, indices, block)
     o, lse = [], []
     for t in range(0, q.shape[1], block):
         kv, valid = _gather_block(latent, indices[:, t:t + block])
@@ -171,19 +199,20 @@ def sparse_mla_gather(q: Tensor, latent: Tensor, indices: Tensor, *, scale: floa
 
 
 @sparse_mla_gather.register_fake
-def _(q, latent, indices, *, scale, d_v, block=1024):
+def _(q, latent, indices, *, scale, d_v, block=None):
     return q.new_empty(*q.shape[:3], d_v), q.new_empty(q.shape[:3], dtype=compute_dtype(q.dtype))
 
 
 @torch.library.custom_op("kimi::sparse_mla_gather_bwd", mutates_args=())
 def sparse_mla_gather_bwd(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                           dlse: Tensor | None, *, scale: float, d_v: int,
-                          block: int = 1024) -> tuple[Tensor, Tensor]:
+                          block: int | None = None) -> tuple[Tensor, Tensor]:
     """(dq, dlatent) of `sparse_mla_gather` from its inputs, outputs and the output gradients, block by block:
     the probabilities are recomputed from the LSE (p = e^{s − lse}), ds = p ⊙ (do·vᵀ − Σ_v do ⊙ o + dlse), and
     each block's key and value gradients are scattered back onto the latent rows they were gathered from."""
     ct = compute_dtype(q.dtype)
-    dq = torch.empty(q.shape, dtype=ct, device=q.device)
+    block = _gather_rows(latent, indices, block)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)    # written block by block, rounded once each
     dlat = torch.zeros(latent.shape, dtype=ct, device=latent.device)
     B, D = q.shape[0], latent.shape[-1]
     for t in range(0, q.shape[1], block):
@@ -203,11 +232,11 @@ def sparse_mla_gather_bwd(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
         rows = torch.where(valid, idx, 0).long().reshape(B, -1)
         dkv = torch.where(valid[..., None], dkv, 0.0).reshape(B, -1, D)
         dlat.scatter_add_(1, rows[..., None].expand(-1, -1, D), dkv)
-    return dq.to(q.dtype), dlat.to(latent.dtype)
+    return dq, dlat.to(latent.dtype)
 
 
 @sparse_mla_gather_bwd.register_fake
-def _(q, latent, indices, o, lse, do, dlse, *, scale, d_v, block=1024):
+def _(q, latent, indices, o, lse, do, dlse, *, scale, d_v, block=None):
     return q.new_empty(q.shape), latent.new_empty(latent.shape)
 
 
@@ -226,3 +255,63 @@ def _gather_backward(ctx, do, dlse):
 
 
 sparse_mla_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# ---------------------------------------------------------------------------------------------- range-based layer path
+
+def sparse_mla_gathered(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, lo: Tensor, hi: Tensor,
+                        topk_idx: Tensor | None, *, scale: float, span: int, causal: bool, block: int = 1024) -> Tensor:
+    """Gated MLA's attention from the candidate ranges [lo, hi) [B, T] (`KeyRanges`' fields), with nothing of size
+    T×S: `Backend(attn="gather")`, the op `kimi::sparse_mla_gathered`.
+
+    With a selection topk_idx [B, T, k] (-1 padded): the absorbed form through `kimi::sparse_mla_gather`, on the
+    selection intersected with the ranges (as the dense-mask references do, a selection can never reach a future
+    or foreign key). Without one every candidate is attended: `dense_mla_ranges`.
+    q [B, T, H, d_n + d_r], c [B, S, R], k_pe [B, S, d_r], kv_b the kv_b_proj weight [H·(d_n + d_v), R] (a LoRA
+    effective weight enters both W_UK and W_UV) -> o [B, T, H, d_v] in q's dtype."""
+    if topk_idx is None:
+        return dense_mla_ranges(q, c, k_pe, kv_b, KeyRanges(lo, hi, span, causal), scale=scale, block=block)
+    d_r, R = k_pe.shape[-1], c.shape[-1]
+    inside = (topk_idx >= lo[..., None]) & (topk_idx < hi[..., None])
+    topk_idx = torch.where(inside, topk_idx, -1)
+    latent = torch.cat([c, k_pe], dim=-1)                                      # [B, S, R + d_r]
+    o_lat, _ = torch.ops.kimi.sparse_mla_gather(absorb_query(q, kv_b, d_r), latent, topk_idx, scale=scale, d_v=R)
+    return unabsorb_output(o_lat, kv_b, q.shape[-1] - d_r)
+
+
+def dense_mla_ranges(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, ranges: KeyRanges, *, scale: float,
+                     block: int = 1024) -> Tensor:
+    """Attention over every candidate in [lo_t, hi_t), `block` queries at a time (shapes as
+    `sparse_mla_gathered`'s).
+
+    Without a cache (`ranges.causal`) the expanded form through SDPA: a query block [t0, t1) needs only the keys
+    [t0 − span + 1, t1), so with documents of at most `span` tokens each block's mask is [block, block + span]:
+    short documents run as dense document-causal attention with no T×T mask. With a cache the absorbed form over
+    the cached latents, as many queries a block as keep the scores [B, H, rows, S] within `GATHER_ELEMENTS`."""
+    B, T, H, _ = q.shape
+    S, d_r = c.shape[1], k_pe.shape[-1]
+    out = []
+    if ranges.causal:
+        k, v = _expand_kv(c, k_pe, kv_b, H, q.shape[-1] - d_r)
+        qh = q.transpose(1, 2)
+        for t0, t1 in _blocks(T, block):
+            w0 = 0 if t0 == 0 else max(0, t0 - ranges.span + 1)
+            keep = range_mask(ranges.lo[:, t0:t1] - w0, ranges.hi[:, t0:t1] - w0, t1 - w0)
+            out.append(_attend_sdpa(qh[:, :, t0:t1], k[:, :, w0:t1], v[:, :, w0:t1], keep, scale))
+        return torch.cat(out, dim=2).transpose(1, 2)
+    for t0, t1 in _blocks(T, max(1, min(block, GATHER_ELEMENTS // max(1, B * H * S)))):
+        keep = range_mask(ranges.lo[:, t0:t1], ranges.hi[:, t0:t1], S)
+        out.append(sparse_mla_absorbed(q[:, t0:t1], c, k_pe, kv_b, keep, None, scale=scale))
+    return torch.cat(out, dim=1)
+
+
+def _blocks(T, block: int) -> list[tuple[int, int]]:
+    """Query blocks [t0, t1) covering [0, T); a single one when T <= block, so that a symbolic length (a compile
+    with dynamic shapes) is not specialized."""
+    if T <= block:
+        return [(0, T)]
+    return [(t0, min(t0 + block, T)) for t0 in range(0, T, block)]
+
+
+traceable("sparse_mla_gathered(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor lo, Tensor hi, Tensor? topk_idx, "
+          "*, float scale, int span, bool causal, int block=1024) -> Tensor", sparse_mla_gathered)

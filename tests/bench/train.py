@@ -61,8 +61,10 @@ def bench(a) -> list[dict]:
     V, B, T = cfg.vocab_size, a.batch, a.seq
     ids = torch.randint(0, V, (B, T), device=device)
     labels = torch.roll(ids, -1, dims=1)
-    doc = torch.zeros_like(ids)
-    step_kw = dict(cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(cfg), lora_scale=1.0)
+    doc_len = a.doc_len or T
+    doc = (torch.arange(T, device=device) // doc_len).expand(B, T).contiguous()     # packed documents of doc_len
+    step_kw = dict(cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(cfg), lora_scale=1.0,
+                   max_document_len=doc_len if a.tell_lengths else None)
 
     def step(accum: int, keep_logits: int = 1 << 30):
         """train.py's optimizer step over `accum` micro-batches: the same one each time (only the timing matters)."""
@@ -107,7 +109,8 @@ def bench(a) -> list[dict]:
         tps = accum * B * T / step_s
         return dict(
             model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
-                  f"kda={a.kda} moe={a.moe} cast={a.cast} tf32={'on' if a.tf32 else 'off'}",
+                  f"attn={a.attn} kda={a.kda} moe={a.moe} cast={a.cast} tf32={'on' if a.tf32 else 'off'}"
+                  + (f" docs of {doc_len}{'' if a.tell_lengths else ' (length not passed)'}" if a.doc_len else ""),
             params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
             shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}",
             logits="kept" if B * T * V <= keep_logits else "recomputed",
@@ -166,7 +169,11 @@ def main():
     ap.add_argument("--experts", type=int, default=None, help="routed experts (default: 8 for the release presets)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--attn", default="auto", choices=["auto", "eager", "sdpa"],
+    ap.add_argument("--doc-len", type=int, default=None,
+                    help="pack documents of this many tokens into each row (default: one document per row)")
+    ap.add_argument("--tell-lengths", action=argparse.BooleanOptionalAction, default=True,
+                    help="pass the document length to the model as max_document_len (train.py does)")
+    ap.add_argument("--attn", default="auto", choices=["auto", "eager", "sdpa", "gather"],
                     help="train.py's --attn (auto: sdpa in the expanded form)")
     ap.add_argument("--kda", default="auto", choices=["auto", "chunk", "chunk_opaque", "chunk_triton"],
                     help="train.py's --kda (auto: chunk_triton on a GPU; on a CPU chunk_opaque compiled, chunk "
