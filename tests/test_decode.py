@@ -142,12 +142,14 @@ CFG2 = tiny(num_hidden_layers=2, attn_res_block_size=1, index_topk=4, index_rope
             linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
 
 
-def test_decode_step_compiles_fullgraph():
+@pytest.mark.parametrize("attn", ["eager", "gather"])
+def test_decode_step_compiles_fullgraph(attn):
     """One graph for a decode step (fullgraph=True: a graph break raises), no recompile as pos advances, and the
-    compiled step equals eager. Left-padded rows, so start masks are live."""
+    compiled step equals eager. Left-padded rows, so the row starts are live; with index_topk = 4 below the cache's
+    length, so the indexer selects."""
     torch._dynamo.reset()
     params = kimi.init_params(CFG2, seed=0)
-    backend = kimi.Backend(mla_form="absorbed", kda="chunk", moe="dense")
+    backend = kimi.Backend(attn=attn, mla_form="absorbed", kda="chunk", moe="dense")
     B = 2
     start = torch.tensor([0, 3])
     cache = kimi.init_cache(CFG2, B, 12, start=start)

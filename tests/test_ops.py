@@ -37,6 +37,8 @@ def test_bad_backends_are_named():
         Backend(kda="fast")
     with pytest.raises(ValueError, match="SDPA has no shared-latent form"):
         Backend(attn="sdpa", mla_form="absorbed")
+    with pytest.raises(ValueError, match="the gathering path attends over the shared latent"):
+        Backend(attn="gather", mla_form="expanded")
 
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -63,6 +65,24 @@ def test_resolve_on_a_gpu(monkeypatch):
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.float64, tokens=1).kda == "chunk"
     monkeypatch.setattr(ops, "triton_available", lambda device: False)
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, tokens=1).moe == "grouped"
+
+
+def test_resolve_attention_by_length():
+    """The dense-mask SDPA path up to DENSE_MASK_MAX_KEYS keys without a cache, 'gather' beyond and for dense
+    attention over ranges (every candidate attended); with a cache the absorbed dense path for short caches and few
+    queries (decoding), 'gather' for long caches or long prefill chunks; an explicit expanded form keeps SDPA."""
+    def attn(**facts):
+        b = ops.resolve(Backend(**facts.pop("backend", {})), device=CPU, dtype=torch.bfloat16, **facts)
+        return b.attn, b.mla_form
+    n = ops.DENSE_MASK_MAX_KEYS
+    assert attn(queries=n, keys=n) == ("sdpa", "expanded")
+    assert attn(queries=n + 1, keys=n + 1) == ("gather", "absorbed")
+    assert attn(queries=64, keys=64, every_candidate=True) == ("gather", "absorbed")
+    assert attn(queries=n + 1, keys=n + 1, backend=dict(mla_form="expanded")) == ("sdpa", "expanded")
+    assert attn(queries=1, keys=8192, cached=True) == ("eager", "absorbed")
+    assert attn(queries=1, keys=8193, cached=True) == ("gather", "absorbed")
+    assert attn(queries=4096, keys=8192, cached=True) == ("gather", "absorbed")      # 2^25 pairs
+    assert attn(queries=4, keys=64, cached=True, every_candidate=True) == ("eager", "absorbed")
 
 
 def test_resolve_keeps_concrete_choices_and_the_sdpa_form(monkeypatch):

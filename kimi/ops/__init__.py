@@ -55,24 +55,31 @@ IMPLEMENTATIONS: dict[str, dict] = {
 GEMV_MAX_TOKENS = 64
 """`moe="auto"` runs the gemv kernel for at most this many tokens (decoding), the grouped GEMM above."""
 
-DENSE_MASK_MAX_KEYS = 8192
-"""`attn="auto"` runs a dense-mask reference for at most this many keys (where it is still the fastest torch path,
-docs/performance.md#sparse-attention) and the range-based 'gather' path beyond, or whenever every candidate is
-attended without a cache (dense attention over the ranges needs no mask of size T×S)."""
+DENSE_MASK_MAX_KEYS = 32768
+"""Without a cache `attn="auto"` runs the dense-mask SDPA reference for at most this many keys: up to 32K tokens it
+is faster than the torch 'gather' path and holds less memory (docs/performance.md#sparse-attention); beyond, and
+whenever every candidate is attended (dense attention over the ranges needs no T×T mask), 'gather'."""
+
+DENSE_MASK_MAX_PAIRS_CACHED = 1 << 24
+"""With a cache the dense-mask reference is the absorbed form, whose fp32 scores are [B, H, T, S]: `attn="auto"`
+keeps it for at most this many (query, key) pairs and at most 8,192 keys (decode steps over short caches) and
+runs 'gather' otherwise (long caches, long prefill chunks)."""
 
 QUERY_BLOCK = 1024
 """Queries a block on the range-based paths (indexer scores and top-k, dense attention over the ranges)."""
 
 
 def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, tokens: int | None = None,
-            cached: bool = False, keys: int | None = None, every_candidate: bool = False) -> Backend:
+            cached: bool = False, queries: int | None = None, keys: int | None = None,
+            every_candidate: bool = False) -> Backend:
     """`backend` with every "auto" replaced by the implementation that runs here:
 
     - kda: 'chunk_triton' on a CUDA device with Triton (not for float64); 'chunk_opaque' while torch.compile
       traces on a CPU (Inductor's CPU code generation for the traced chunk algebra takes minutes); else 'chunk'.
-    - attn: 'gather' for more than `DENSE_MASK_MAX_KEYS` keys, or without a cache when every candidate is
-      attended (`every_candidate`: documents no longer than index_topk, or no indexer), unless mla_form='expanded'
-      is asked for; otherwise 'sdpa' for the expanded form and 'eager' for the absorbed one.
+    - attn: 'gather' without a cache for more than `DENSE_MASK_MAX_KEYS` keys or when every candidate is attended
+      (`every_candidate`: documents no longer than index_topk, or no indexer); with a cache for more than 8,192
+      keys or `DENSE_MASK_MAX_PAIRS_CACHED` (query, key) pairs; unless mla_form='expanded' is asked for.
+      Otherwise 'sdpa' for the expanded form and 'eager' for the absorbed one.
     - mla_form: 'absorbed' for attn='gather' and with a decode cache (attention over the cached 576-wide latents,
       nothing re-expanded), 'expanded' without one (or with attn='sdpa').
     - moe: 'gemv' for at most `GEMV_MAX_TOKENS` tokens on a CUDA device with Triton; 'grouped' for
@@ -88,9 +95,12 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
         else:
             kda = "chunk_opaque" if device.type == "cpu" and torch.compiler.is_compiling() else "chunk"
     form, attn = backend.mla_form, backend.attn
-    if attn == "auto" and form != "expanded" and keys is not None and (
-            keys > DENSE_MASK_MAX_KEYS or (every_candidate and not cached)):
-        attn = "gather"
+    if attn == "auto" and form != "expanded" and keys is not None:
+        if cached:
+            dense = keys <= 8192 and (queries or 1) * keys <= DENSE_MASK_MAX_PAIRS_CACHED
+        else:
+            dense = keys <= DENSE_MASK_MAX_KEYS and not every_candidate
+        attn = attn if dense else "gather"
     if form == "auto":
         form = "absorbed" if attn == "gather" or (cached and attn != "sdpa") else "expanded"
     if attn == "auto":
@@ -138,8 +148,8 @@ def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, ranges: KeyRang
     latent c [B, S, R], k_pe [B, S, d_r], the kv_b_proj weight, the queries' candidate ranges, topk_idx int32
     [B, T, k] or None (every candidate). Returns o [B, T, H, d_v]. The dense-mask references get the ranges as a
     [B, T, S] mask."""
-    b = resolve(backend, device=q.device, dtype=q.dtype, cached=not ranges.causal, keys=c.shape[1],
-                every_candidate=topk_idx is None)
+    b = resolve(backend, device=q.device, dtype=q.dtype, cached=not ranges.causal, queries=q.shape[1],
+                keys=c.shape[1], every_candidate=topk_idx is None)
     fn = IMPLEMENTATIONS["attn"][b.attn, b.mla_form]
     if b.attn == "gather":
         return fn(q, c, k_pe, kv_b, ranges.lo, ranges.hi, topk_idx, scale=scale, span=ranges.span,
