@@ -135,7 +135,7 @@ class TrainConfig:
     compile per FSDP unit."""
     attn: Literal["auto", "eager", "sdpa", "gather"] = "auto"
     """Gated MLA's attention (`kimi.Backend.attn`); auto: 'gather' (from key ranges, nothing of size T×T) when every
-    document fits in index_topk (dense attention, no indexer) or past 8,192 tokens, else SDPA with a dense mask."""
+    document fits in index_topk (dense attention, no indexer) or past 32,768 tokens, else SDPA with a dense mask."""
     kda: Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"] = "auto"
     """The KDA core (`kimi.Backend.kda`); auto: 'chunk_triton' on a GPU with Triton (the chunk-to-chunk state pass
     one kernel each way instead of a scan of small matmuls), 'chunk_opaque' when compiling on the CPU (a fraction of
@@ -268,7 +268,7 @@ def train(cfg: TrainConfig) -> dict:
     scale = lora.scale_of(cfg.lora.rank, cfg.lora.alpha) if cfg.lora.rank else 1.0
     longest = max(train_rows.longest_document(), eval_rows.longest_document())
     step_kw = dict(cfg=model_cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(model_cfg), lora_scale=scale,
-                   max_document_len=longest)
+                   max_document_len=longest or None)
     named = trainable_named(params, adapters)
     n_params = sum(p.numel() for p in named.values())
     root = None

@@ -254,7 +254,8 @@ class Backend:
     'sdpa' (`F.scaled_dot_product_attention` with the same mask; expanded form only) or 'gather' (from per-query key
     ranges with nothing of size T×S: blocked indexer top-k, attention over the gathered latents in the absorbed
     form; documents of at most index_topk tokens run as dense document-causal attention without the indexer).
-    'auto' picks 'gather' past 8,192 keys (docs/architecture.md#backends)."""
+    'auto' picks 'gather' past 32,768 keys without a cache, for short documents, and for caches of more than
+    8,192 slots (docs/architecture.md#backends)."""
     mla_form: MLAForm = "auto"
     """'expanded' (per-head K/V through kv_b_proj) or 'absorbed' (kv_b_proj folded into the query and the
     output: attention over the 576-wide shared latent, the form sparse kernels and decoding use)."""

@@ -44,7 +44,7 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, ranges: KeyRanges, cache: dic
         q = linear(q_resid, p["q_b_proj"])
     q = rearrange(q, "b t (h d) -> b t h d", h=H)
     c, k_pe = linear(x, p["kv_a_proj_with_mqa"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    c = rms_norm(c, p["kv_a_layernorm"], eps=1e-6)
+    latent = torch.cat([rms_norm(c, p["kv_a_layernorm"], eps=1e-6), k_pe], dim=-1)   # [B, T, R + d_r]
     select = cfg.has_indexer and ranges.span > cfg.index_topk
     topk_idx = None
     if cache is None:
@@ -52,16 +52,15 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, ranges: KeyRanges, cache: dic
             topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, ranges)
     else:
         slots = step.slots
-        kv = cache["kv"]
-        kv.index_copy_(1, slots, torch.cat([c, k_pe], dim=-1))
-        c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        cache["kv"].index_copy_(1, slots, latent)
+        latent = cache["kv"]                                  # attention reads the cache itself: no copy of it
         if cfg.has_indexer:      # the keys are cached even while every candidate is attended
             with torch.no_grad():
                 qi, ki, wi = indexer.indexer_inputs(p["indexer"], x, q_resid, cfg, ranges.positions())
                 cache["index_k"].index_copy_(1, slots, ki)
                 if select:
                     topk_idx = ops.indexer_topk(qi, cache["index_k"], wi, ranges, topk=cfg.index_topk)
-    o = ops.sparse_mla(q, c, k_pe, p["kv_b_proj"]["weight"], ranges, topk_idx, scale=cfg.softmax_scale,
+    o = ops.sparse_mla(q, latent, p["kv_b_proj"]["weight"], ranges, topk_idx, scale=cfg.softmax_scale,
                        backend=backend)
     o = rearrange(o, "b t h d -> b t (h d)")
     if cfg.mla_use_output_gate:

@@ -130,7 +130,8 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
     layer = layer or layer_step
     if cache is not None:
         with torch.no_grad():
-            return _forward(params, input_ids, config, backend, document_ids=document_ids, cache=cache, layer=layer)
+            return _forward(params, input_ids, config, backend, document_ids=document_ids,
+                            max_document_len=max_document_len, cache=cache, layer=layer)
     return _forward(params, input_ids, config, backend, document_ids=document_ids,
                     max_document_len=max_document_len, cache=None, head=head, layer=layer)
 
@@ -204,6 +205,14 @@ def _forward(params, input_ids, config, backend, *, document_ids, cache, max_doc
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"input_ids must be an int32/int64 tensor [B, T], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")
+    if max_document_len is not None:
+        if not isinstance(max_document_len, int) or isinstance(max_document_len, bool) or max_document_len <= 0:
+            raise ValueError(f"max_document_len must be a positive integer, got {max_document_len!r}")
+        if cache is not None:
+            raise CacheError("max_document_len bounds packed documents, which a cache does not take")
+        if document_ids is None and max_document_len < input_ids.shape[1]:
+            raise ValueError(f"max_document_len={max_document_len}, but without document_ids each row is one "
+                             f"document of {input_ids.shape[1]} tokens")
     step = None
     if cache is not None:
         if document_ids is not None:
@@ -220,9 +229,6 @@ def _forward(params, input_ids, config, backend, *, document_ids, cache, max_doc
             int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got "
                          f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-    if max_document_len is not None and (not isinstance(max_document_len, int) or isinstance(max_document_len, bool)
-                                         or max_document_len <= 0):
-        raise ValueError(f"max_document_len must be a positive integer, got {max_document_len!r}")
     if cache is None:
         span = max_document_len
         if cfg.has_indexer and span is not None:

@@ -92,6 +92,7 @@ def _op_samples():
     cfg = tiny()
     Hm = cfg.num_attention_heads
     qm, c, kpe = r(B, T, Hm, cfg.qk_head_dim), r(B, T, cfg.kv_lora_rank), r(B, T, cfg.qk_rope_head_dim)
+    lat = torch.cat([c, kpe], -1)
     kvb = r(Hm * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank) * 0.2
     idx = topk_reference(r(B, T, T), rg.mask(T), 3)
     vis = rg.mask(T)[:, 3:]                                        # 3 queries over 6 keys (a cached call's shape)
@@ -129,10 +130,13 @@ def _op_samples():
                             dict(scale=cfg.softmax_scale)),
         "sparse_mla_absorbed": (k_ops.sparse_mla_absorbed.default, (qm, c, kpe, kvb, rg.mask(T), idx),
                                 dict(scale=cfg.softmax_scale)),
-        "sparse_mla_gathered": (k_ops.sparse_mla_gathered.default, (qm, c, kpe, kvb, rg.lo, rg.hi, idx),
+        "sparse_mla_gathered": (k_ops.sparse_mla_gathered.default, (qm, lat, kvb, rg.lo, rg.hi, idx),
                                 dict(scale=cfg.softmax_scale, span=T, causal=True, block=4)),
-        "sparse_mla_gathered[dense]": (k_ops.sparse_mla_gathered.default, (qm, c, kpe, kvb, rg.lo, rg.hi, None),
+        "sparse_mla_gathered[dense]": (k_ops.sparse_mla_gathered.default, (qm, lat, kvb, rg.lo, rg.hi, None),
                                       dict(scale=cfg.softmax_scale, span=5, causal=True, block=4)),
+        "sparse_mla_gathered[dense-cached]": (k_ops.sparse_mla_gathered.default,
+                                              (qm[:, 3:], lat, kvb, rg.lo[:, 3:], rg.hi[:, 3:], None),
+                                              dict(scale=cfg.softmax_scale, span=T, causal=False, block=2)),
         "sparse_mla_gather": (k_ops.sparse_mla_gather.default, (qg, latent, gidx), dict(scale=0.3, d_v=8, block=2)),
         "sparse_mla_gather_bwd": (k_ops.sparse_mla_gather_bwd.default,
                                   (qg, latent, gidx, *k_ops.sparse_mla_gather(qg, latent, gidx, scale=0.3, d_v=8),
@@ -245,19 +249,22 @@ def _graphs_of(fn) -> int:
     return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
 
 
-def test_recompiles_are_bounded_over_lengths_and_batches(params):
+@pytest.mark.parametrize("attn", ["auto", "gather"])
+def test_recompiles_are_bounded_over_lengths_and_batches(params, attn):
     """With dynamic=True one graph serves every batch size > 1 and every length above one KDA chunk; the two
     0/1 specializations (batch 1, a single 64-token chunk) add one graph each, not one per length. Recompiles are
     Dynamo's decision (its guards), so Dynamo's `eager` backend counts them without paying for AOT tracing;
-    compiled == eager through AOT and Inductor is tested above."""
+    compiled == eager through AOT and Inductor is tested above. 'gather' passes the length as its ranges' span:
+    it stays symbolic (a SymInt in the op's schema)."""
     compiled = torch.compile(kimi.forward, fullgraph=True, dynamic=True, backend="eager")
-    backend = kimi.Backend(kda="chunk")   # the scan over chunks, whose length stays symbolic
+    backend = kimi.Backend(attn=attn, kda="chunk")   # the scan over chunks, whose length stays symbolic
 
     def check(B, T):
         ids, doc = _batch(B, T)
         with torch.no_grad():
-            assert rel_err(compiled(params, ids, CFG, backend, document_ids=doc),
-                           kimi.forward(params, ids, CFG, backend, document_ids=doc)) < 1e-5
+            # eager first: einops registers its torch backend on first use, and Dynamo guards on that registry
+            want = kimi.forward(params, ids, CFG, backend, document_ids=doc)
+            assert rel_err(compiled(params, ids, CFG, backend, document_ids=doc), want) < 1e-5
 
     for B, T in [(2, 70), (3, 101), (2, 130), (4, 81)]:
         check(B, T)

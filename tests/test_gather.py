@@ -4,13 +4,14 @@ index_topk run dense without the indexer and give the same result; nothing of si
 (The op-level contracts are in test_sparse_attention.py; decoding on this path in test_decode.py.)"""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kimi
-from helpers import rel_err, tiny
+from helpers import drop_indexer, rel_err, tiny, without_indexer
 from kimi import ops
 from kimi.params import tree_items, unflatten
 from kimi.config import KDAConfig
@@ -79,11 +80,17 @@ def test_short_documents_run_dense_and_equal_the_sparse_path(params64, backend):
     assert rel_err(wrong, kimi.forward(params64, ids, cfg, backend, document_ids=doc)) > 1e-6
 
 
-def test_max_document_len_must_be_a_positive_integer(params64):
+def test_max_document_len_is_checked(params64):
+    """A positive integer; not with a cache; not below the one document a row is without document_ids."""
     ids, doc = _packed([[5]], [0])
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="max_document_len"):
+        with pytest.raises(ValueError, match="max_document_len must be a positive integer"):
             kimi.forward(params64, ids, CFG, GATHER, document_ids=doc, max_document_len=bad)
+    with pytest.raises(ValueError, match="each row is one document of 5 tokens"):
+        kimi.forward(params64, ids, CFG, GATHER, max_document_len=4)
+    cache = kimi.init_cache(CFG, 1, 8, dtype=torch.float64)
+    with pytest.raises(kimi.CacheError, match="a cache does not take"):
+        kimi.forward(params64, ids, CFG, GATHER, cache=cache, max_document_len=5)
 
 
 class _Shapes(TorchDispatchMode):
@@ -102,14 +109,15 @@ class _Shapes(TorchDispatchMode):
 
 
 def _square(shapes, T):
-    """The shapes with two dimensions of at least T: a T×T tensor (T exceeds every model width here)."""
-    return [s for s in shapes if sum(d >= T for d in s) >= 2]
+    """The shapes with two dimensions of at least T (T exceeds every model width here), or one and at least T²
+    elements (a T×T tensor with its dimensions merged)."""
+    return [s for s in shapes if sum(d >= T for d in s) >= 2 or (max(s, default=0) >= T and math.prod(s) >= T * T)]
 
 
 @pytest.mark.parametrize("short", [False, True], ids=["indexer", "short-documents"])
 def test_no_tensor_of_size_t_by_t(short):
     """Forward and backward of the model without the head at T = 640 (above every width of the tiny model; 80
-    query blocks): no op on the 'gather' path outputs a tensor with two dimensions >= T, with the indexer
+    query blocks): no op on the 'gather' path outputs a tensor of T×T size or shape, with the indexer
     selecting 4 of up to 300 keys or with short documents attended densely. The dense-mask reference does (the
     check can fail)."""
     cfg = dataclasses.replace(CFG, index_topk=16) if short else CFG
@@ -142,3 +150,26 @@ def test_lora_on_kv_b_proj_trains_through_the_gather_path(params64):
         grads.append([t.grad for t in leaves])
     assert len(grads[0]) == 4 and all(g is not None for g in grads[0])     # A and B of the two MLA layers
     assert max(rel_err(g, r) for g, r in zip(*grads)) < 1e-10
+
+
+@pytest.mark.parametrize("no_indexer", [False, True], ids=["cache-within-index-topk", "no-indexer"])
+def test_cached_dense_branch_equals_the_reference(params64, no_indexer):
+    """With a cache of at most index_topk slots (or no indexer) every candidate is attended: 'gather' runs its dense
+    branch over the cached latents (absorbed form, blocks of queries). A left-padded prefill over two query blocks
+    and three decode steps give the dense-mask reference's logits on every real position."""
+    cfg, params = (without_indexer(CFG), drop_indexer(params64)) if no_indexer else \
+        (dataclasses.replace(CFG, index_topk=16), params64)
+    B, T0, N = 2, 10, 3
+    ids = torch.randint(0, cfg.vocab_size, (B, T0 + N))
+    start = torch.tensor([0, 3])
+    outs = []
+    for backend in (GATHER, kimi.Backend(attn="eager", mla_form="absorbed", kda="chunk", moe="dense")):
+        cache = kimi.init_cache(cfg, B, 16, dtype=torch.float64, start=start)
+        logits, cache = kimi.forward(params, ids[:, :T0], cfg, backend, cache=cache)
+        steps = [logits]
+        for j in range(N):
+            out, cache = kimi.forward(params, ids[:, T0 + j:T0 + j + 1], cfg, backend, cache=cache)
+            steps.append(out)
+        outs.append(torch.cat(steps, 1))
+    real = torch.arange(T0 + N)[None, :] >= start[:, None]
+    assert rel_err(outs[0][real], outs[1][real]) < 1e-12

@@ -69,6 +69,15 @@ def test_topk_invariants(doc, topk, ties):
     assert torch.equal(idx, _oracle(scores, seg, topk))              # ties go to the smaller index
 
 
+def test_select_topk_ranks_nan_as_the_sort_does():
+    """A NaN score (a diverged indexer) is selected as the stable sort ranks it, above every number; the row is
+    not dropped."""
+    scores = torch.tensor([[[0.5, float("nan"), -1.0, 2.0, float("inf")]]])
+    valid = torch.tensor([[[True, True, True, True, False]]])
+    for k in (1, 2, 3, 5):
+        assert torch.equal(lightning_index.select_topk(scores, valid, k), topk_reference(scores, valid, k))
+
+
 def test_scores_by_query_blocks_equal_one_block():
     """Bounding the per-head logits (`max_logits`) splits the queries into blocks (ragged last one) and gives the
     same scores as one block, bit for bit in float64."""

@@ -20,8 +20,8 @@ def sparse_mla(q, c, k_pe, kv_b, doc, idx, *, scale, form, span=None, block=4):
     ones the ranges (queries in blocks of `block`)."""
     r = document_ranges(doc, span)
     if form[0] == "gather":
-        return IMPLEMENTATIONS["attn"][form](q, c, k_pe, kv_b, r.lo, r.hi, idx, scale=scale, span=r.span,
-                                             causal=True, block=block)
+        return IMPLEMENTATIONS["attn"][form](q, torch.cat([c, k_pe], -1), kv_b, r.lo, r.hi, idx, scale=scale,
+                                             span=r.span, causal=True, block=block)
     return IMPLEMENTATIONS["attn"][form](q, c, k_pe, kv_b, r.mask(doc.shape[1]), idx, scale=scale)
 
 

@@ -41,7 +41,7 @@ IMPLEMENTATIONS: dict[str, dict] = {
         ("eager", "expanded"): torch.ops.kimi.sparse_mla_eager.default,
         ("sdpa", "expanded"): torch.ops.kimi.sparse_mla_sdpa.default,
         ("eager", "absorbed"): torch.ops.kimi.sparse_mla_absorbed.default,
-        # from ranges, nothing of size T×S: (q, c, k_pe, kv_b, lo, hi, topk_idx, *, scale, span, causal, block)
+        # from ranges, nothing of size T×S: (q, latent, kv_b, lo, hi, topk_idx, *, scale, span, causal, block)
         ("gather", "absorbed"): torch.ops.kimi.sparse_mla_gathered.default,
     },
     "moe": {
@@ -142,19 +142,20 @@ def indexer_topk(q: Tensor, k: Tensor, w: Tensor, ranges: KeyRanges, *, topk: in
                                                block=QUERY_BLOCK)
 
 
-def sparse_mla(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, ranges: KeyRanges, topk_idx: Tensor | None, *,
+def sparse_mla(q: Tensor, latent: Tensor, kv_b: Tensor, ranges: KeyRanges, topk_idx: Tensor | None, *,
                scale: float, backend: Backend) -> Tensor:
     """Gated MLA's attention over the selected keys (docs/numerics.md#sparse-attention): q [B, T, H, d_n + d_r],
-    latent c [B, S, R], k_pe [B, S, d_r], the kv_b_proj weight, the queries' candidate ranges, topk_idx int32
-    [B, T, k] or None (every candidate). Returns o [B, T, H, d_v]. The dense-mask references get the ranges as a
-    [B, T, S] mask."""
-    b = resolve(backend, device=q.device, dtype=q.dtype, cached=not ranges.causal, queries=q.shape[1],
-                keys=c.shape[1], every_candidate=topk_idx is None)
+    latent [B, S, R + d_r] = [c ; k_pe] (with a cache, the cache's buffer), the kv_b_proj weight [H·(d_n + d_v), R],
+    the queries' candidate ranges, topk_idx int32 [B, T, k] or None (every candidate). Returns o [B, T, H, d_v].
+    The dense-mask references get c and k_pe as views and the ranges as a [B, T, S] mask."""
+    S, R = latent.shape[1], kv_b.shape[1]
+    b = resolve(backend, device=q.device, dtype=q.dtype, cached=not ranges.causal, queries=q.shape[1], keys=S,
+                every_candidate=topk_idx is None)
     fn = IMPLEMENTATIONS["attn"][b.attn, b.mla_form]
     if b.attn == "gather":
-        return fn(q, c, k_pe, kv_b, ranges.lo, ranges.hi, topk_idx, scale=scale, span=ranges.span,
+        return fn(q, latent, kv_b, ranges.lo, ranges.hi, topk_idx, scale=scale, span=ranges.span,
                   causal=ranges.causal, block=QUERY_BLOCK)
-    return fn(q, c, k_pe, kv_b, ranges.mask(c.shape[1]), topk_idx, scale=scale)
+    return fn(q, latent[..., :R], latent[..., R:], kv_b, ranges.mask(S), topk_idx, scale=scale)
 
 
 def moe_experts(z: Tensor, idx: Tensor, weight: Tensor, experts: dict, *, beta: float, beta_lin: float | None,

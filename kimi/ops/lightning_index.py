@@ -51,10 +51,12 @@ def topk_reference(scores: Tensor, valid: Tensor, topk: int) -> Tensor:
 def select_topk(scores: Tensor, valid: Tensor, topk: int) -> Tensor:
     """`topk_reference`'s selection without sorting whole rows: the k-th largest valid score by `torch.topk`,
     every key above it, and of the keys equal to it the ones with the smallest positions; then the chosen
-    positions compacted in ascending order. scores [..., S], valid [..., S] bool -> int32 [..., topk]."""
+    positions compacted in ascending order. scores [..., S], valid [..., S] bool -> int32 [..., topk]. A NaN score
+    ranks above every number, as in the sort."""
     S = scores.shape[-1]
     kk = min(topk, S)
-    masked = scores.masked_fill(~valid, float("-inf"))
+    inf = float("inf")
+    masked = scores.nan_to_num(nan=inf, posinf=inf, neginf=-inf).masked_fill(~valid, -inf)
     kth = masked.topk(kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)   # -inf when < kk candidates
     above = masked > kth
     tie = valid & (masked == kth)

@@ -122,10 +122,16 @@ def unabsorb_output(o_lat: Tensor, kv_b: Tensor, d_n: int) -> Tensor:
 def sparse_mla_absorbed(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, visible: Tensor,
                         topk_idx: Tensor | None, *, scale: float) -> Tensor:
     """`sparse_mla_eager` in the absorbed form: attention over the shared latent [c ; k_pe], same σ."""
-    d_r = k_pe.shape[-1]
+    return _absorbed(q, torch.cat([c, k_pe], dim=-1), kv_b, select_visible(visible, topk_idx), scale)
+
+
+def _absorbed(q: Tensor, latent: Tensor, kv_b: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """The absorbed form over latent [B, S, R + d_r] ([c ; k_pe], R = kv_b's input width) masked by keep
+    [B, T, S] -> o [B, T, H, d_v]."""
+    R = kv_b.shape[1]
+    d_r = latent.shape[-1] - R
     Q = absorb_query(q, kv_b, d_r).transpose(1, 2)                             # [B, H, T, R + d_r]
-    KV = torch.cat([c, k_pe], dim=-1)                                          # [B, S, R + d_r]
-    o_lat = _attend_shared(Q, KV, c, select_visible(visible, topk_idx), scale)  # [B, H, T, R]
+    o_lat = _attend_shared(Q, latent, latent[..., :R], keep, scale)            # [B, H, T, R]
     return unabsorb_output(o_lat.transpose(1, 2), kv_b, q.shape[-1] - d_r)
 
 
@@ -259,27 +265,28 @@ sparse_mla_gather.register_autograd(_gather_backward, setup_context=_gather_setu
 
 # ---------------------------------------------------------------------------------------------- range-based layer path
 
-def sparse_mla_gathered(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, lo: Tensor, hi: Tensor,
-                        topk_idx: Tensor | None, *, scale: float, span: int, causal: bool, block: int = 1024) -> Tensor:
+def sparse_mla_gathered(q: Tensor, latent: Tensor, kv_b: Tensor, lo: Tensor, hi: Tensor, topk_idx: Tensor | None, *,
+                        scale: float, span: int, causal: bool, block: int = 1024) -> Tensor:
     """Gated MLA's attention from the candidate ranges [lo, hi) [B, T] (`KeyRanges`' fields), with nothing of size
-    T×S: `Backend(attn="gather")`, the op `kimi::sparse_mla_gathered`.
+    T×S: `Backend(attn="gather")`, the op `kimi::sparse_mla_gathered`. It reads the latent [c ; k_pe] as one
+    tensor (with a cache, the cache itself: nothing is copied).
 
     With a selection topk_idx [B, T, k] (-1 padded): the absorbed form through `kimi::sparse_mla_gather`, on the
     selection intersected with the ranges (as the dense-mask references do, a selection can never reach a future
     or foreign key). Without one every candidate is attended: `dense_mla_ranges`.
-    q [B, T, H, d_n + d_r], c [B, S, R], k_pe [B, S, d_r], kv_b the kv_b_proj weight [H·(d_n + d_v), R] (a LoRA
+    q [B, T, H, d_n + d_r], latent [B, S, R + d_r], kv_b the kv_b_proj weight [H·(d_n + d_v), R] (a LoRA
     effective weight enters both W_UK and W_UV) -> o [B, T, H, d_v] in q's dtype."""
     if topk_idx is None:
-        return dense_mla_ranges(q, c, k_pe, kv_b, KeyRanges(lo, hi, span, causal), scale=scale, block=block)
-    d_r, R = k_pe.shape[-1], c.shape[-1]
+        return dense_mla_ranges(q, latent, kv_b, KeyRanges(lo, hi, span, causal), scale=scale, block=block)
+    R = kv_b.shape[1]
+    d_r = latent.shape[-1] - R
     inside = (topk_idx >= lo[..., None]) & (topk_idx < hi[..., None])
     topk_idx = torch.where(inside, topk_idx, -1)
-    latent = torch.cat([c, k_pe], dim=-1)                                      # [B, S, R + d_r]
     o_lat, _ = torch.ops.kimi.sparse_mla_gather(absorb_query(q, kv_b, d_r), latent, topk_idx, scale=scale, d_v=R)
     return unabsorb_output(o_lat, kv_b, q.shape[-1] - d_r)
 
 
-def dense_mla_ranges(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, ranges: KeyRanges, *, scale: float,
+def dense_mla_ranges(q: Tensor, latent: Tensor, kv_b: Tensor, ranges: KeyRanges, *, scale: float,
                      block: int = 1024) -> Tensor:
     """Attention over every candidate in [lo_t, hi_t), `block` queries at a time (shapes as
     `sparse_mla_gathered`'s).
@@ -289,10 +296,10 @@ def dense_mla_ranges(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, ranges: K
     short documents run as dense document-causal attention with no T×T mask. With a cache the absorbed form over
     the cached latents, as many queries a block as keep the scores [B, H, rows, S] within `GATHER_ELEMENTS`."""
     B, T, H, _ = q.shape
-    S, d_r = c.shape[1], k_pe.shape[-1]
+    S, R = latent.shape[1], kv_b.shape[1]
     out = []
     if ranges.causal:
-        k, v = _expand_kv(c, k_pe, kv_b, H, q.shape[-1] - d_r)
+        k, v = _expand_kv(latent[..., :R], latent[..., R:], kv_b, H, q.shape[-1] - (latent.shape[-1] - R))
         qh = q.transpose(1, 2)
         for t0, t1 in _blocks(T, block):
             w0 = 0 if t0 == 0 else max(0, t0 - ranges.span + 1)
@@ -301,7 +308,7 @@ def dense_mla_ranges(q: Tensor, c: Tensor, k_pe: Tensor, kv_b: Tensor, ranges: K
         return torch.cat(out, dim=2).transpose(1, 2)
     for t0, t1 in _blocks(T, max(1, min(block, GATHER_ELEMENTS // max(1, B * H * S)))):
         keep = range_mask(ranges.lo[:, t0:t1], ranges.hi[:, t0:t1], S)
-        out.append(sparse_mla_absorbed(q[:, t0:t1], c, k_pe, kv_b, keep, None, scale=scale))
+        out.append(_absorbed(q[:, t0:t1], latent, kv_b, keep, scale))
     return torch.cat(out, dim=1)
 
 
@@ -313,5 +320,5 @@ def _blocks(T, block: int) -> list[tuple[int, int]]:
     return [(t0, min(t0 + block, T)) for t0 in range(0, T, block)]
 
 
-traceable("sparse_mla_gathered(Tensor q, Tensor c, Tensor k_pe, Tensor kv_b, Tensor lo, Tensor hi, Tensor? topk_idx, "
-          "*, float scale, int span, bool causal, int block=1024) -> Tensor", sparse_mla_gathered)
+traceable("sparse_mla_gathered(Tensor q, Tensor latent, Tensor kv_b, Tensor lo, Tensor hi, Tensor? topk_idx, *, "
+          "float scale, SymInt span, bool causal, int block=1024) -> Tensor", sparse_mla_gathered)

@@ -12,7 +12,7 @@ kv rank 512, indexer 64 x 128 choosing 2,048 keys), B = 1, bf16, random weights,
 - `gather, documents of 2,048`: the same layer on packed documents of index_topk tokens with the bound passed
   (`max_document_len`): no indexer, dense document-causal attention over a key window per query block;
 - `sdpa (dense mask)`: the expanded form through SDPA with a [T, T] mask, the path `attn="auto"` took for every
-  length before (and still takes up to 8,192 keys);
+  length before (and still takes without a cache up to 32,768 keys);
 - `dense causal flash attention`: `F.scaled_dot_product_attention(is_causal=True)` on the expanded per-head q, k, v
   alone (no projections, no indexer): what dense attention costs with a fused kernel.
 
