@@ -9,9 +9,10 @@ layer module.
 |---------------------------|----------------------------------------|-----------------------------------------------|
 | delta_rule.py (+ _triton) | the KDA core: recurrence, step, chunks | kda_recurrent, kda_chunk, kda_chunk_opaque,   |
 |                           |                                        | kda_chunk_triton, kda_states, kda_step        |
-| lightning_index.py        | indexer scores and top-k               | indexer_topk                                  |
-| sparse_attention.py       | attention over the selected keys       | sparse_mla_eager, _sdpa, _absorbed,           |
-|                           |                                        | sparse_mla_gather (+_bwd): the blocked        |
+| lightning_index.py        | indexer scores and top-k, from ranges  | indexer_topk (blocked over queries)           |
+| sparse_attention.py       | attention over the selected keys       | sparse_mla_eager, _sdpa, _absorbed (dense     |
+|                           |                                        | masks); sparse_mla_gathered (from ranges) on  |
+|                           |                                        | sparse_mla_gather (+_bwd), the blocked        |
 |                           |                                        | reference of the sparse kernels' contract     |
 | experts.py (+ _triton)    | routed experts, grouped matmuls        | moe_experts_dense, _grouped, _gemv,           |
 |                           |                                        | grouped_mm, moe_gemv                          |

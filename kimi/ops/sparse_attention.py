@@ -1,4 +1,5 @@
-"""Gated MLA's attention over the selected keys: the dense-mask references (docs/numerics.md#sparse-attention).
+"""Gated MLA's attention over the selected keys: the dense-mask references and the range-based 'gather' path
+(docs/numerics.md#sparse-attention, #sparse-attention-contract).
 
     o = softmax(σ q kᵀ over Sel(t)) v,   σ = (d_nope + d_rope)^-1/2
 
@@ -12,8 +13,12 @@ future or foreign key). Three registered implementations with one signature
   [c ; k_pe], the form sparse kernels and decoding run (docs/numerics.md#absorbed-form).
 
 All build a [B, T, S] keep-mask: fine for tests and moderate lengths. Rows with no visible key (padding queries)
-give exactly 0 and zero gradient, never NaN. `sparse_mla_gather` (below) is the contract of the sparse kernels:
-the absorbed form over gathered latents, queries in blocks, no [T, S] tensor.
+give exactly 0 and zero gradient, never NaN.
+
+Below them, nothing of size T×S: `sparse_mla_gather` (+ `_bwd`), the contract of the sparse kernels (the absorbed
+form over gathered latents, queries in blocks, with the LSE), and `sparse_mla_gathered`, the layer's path
+`Backend(attn="gather")` built on it from per-query key ranges (`kimi/ranges.py`), with `dense_mla_ranges` for
+the calls where every candidate is attended.
 """
 
 from __future__ import annotations
