@@ -53,6 +53,7 @@ from kimi.data import (DataError, Rows, Sampler, default_corpus, fit_documents, 
 from kimi.fsdp import build_fsdp, gather, sharded_trainable_named
 from kimi.loss import IGNORE
 from kimi.params import leaf_dtype, param_specs, to_dtype, tree_items, tree_map
+from kimi import runs
 from kimi.plot import plot_metrics
 from kimi.tokenizer import load_tokenizer
 from kimi.train_state import latest_checkpoint, load_training_state, save_training_state
@@ -158,8 +159,13 @@ class TrainConfig:
     ckpt_every: int = 100
     """Write a training checkpoint every this many steps and at the end (0: only at the end)."""
     keep_checkpoints: int = 2
+    """Keep this run's newest this many checkpoints, by step (0: all)."""
     resume: bool = False
-    """Continue from the newest checkpoint in `out` (exactly: params, optimizer, step, data position, RNG)."""
+    """Continue from the newest checkpoint in `out` (exactly: params, optimizer, step, data position, RNG). The
+    settings must be the run's own except those in `RESUME_MAY_CHANGE` (e.g. a larger --steps)."""
+    overwrite: bool = False
+    """Start a new run in an `out` that holds one, deleting that run's checkpoints, metrics, plot and export.
+    Without it (or --resume) such a folder is refused."""
     stop_after: int | None = None
     """Stop (with a checkpoint) after this many steps of this run, e.g. to fit a time limit; --resume continues."""
     max_bad_steps: int = 5
@@ -168,6 +174,14 @@ class TrainConfig:
     """Write the final model in the HF layout to `out`/model (LoRA merged)."""
     plot_log_scale: bool = False
     """loss.png with a logarithmic loss axis (a long run's late progress stays visible)."""
+
+
+RESUME_MAY_CHANGE = frozenset({"steps", "stop_after", "log_every", "eval_every", "eval_rows", "ckpt_every",
+                               "keep_checkpoints", "resume", "overwrite", "export", "plot_log_scale", "max_bad_steps",
+                               "out"})
+"""Settings a --resume may change: when and what is logged, evaluated, saved and exported, and how long the run
+goes (a longer --steps also stretches the learning-rate schedule from the resumed step on). Every other change
+would make the resumed run differ from the run it continues, and is refused."""
 
 
 PRESETS: dict[str, tuple[str, TrainConfig]] = {
@@ -244,6 +258,9 @@ def build_model(cfg: TrainConfig, device: torch.device, compute: torch.dtype):
 def train(cfg: TrainConfig) -> dict:
     """Run the configured job; returns a summary (first/last loss, eval loss, tokens/s, wall time)."""
     _check(cfg)
+    run_config = dataclasses.asdict(cfg)
+    changes = runs.check(Path(cfg.out), run_config, resume=cfg.resume, overwrite=cfg.overwrite,
+                         allowed=RESUME_MAY_CHANGE)     # before anything is loaded: a refused folder costs nothing
     rank, world, device = setup_distributed(cfg.device)
     is_main = rank == 0
     log = print if is_main else (lambda *a, **k: None)
@@ -287,14 +304,15 @@ def train(cfg: TrainConfig) -> dict:
 
     step, bad = 0, 0
     metrics_path = out / "metrics.jsonl"
+    if is_main:
+        runs.claim(out, run_config, resume=cfg.resume, overwrite=cfg.overwrite)
+    if world > 1:
+        dist.barrier()
     if cfg.resume:
         ckpt = latest_checkpoint(out)
-        if ckpt is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {out}")
         step, bad = load_training_state(ckpt, named, opt, sampler)
-        log(f"resumed from {ckpt} at step {step}")
+        log(f"resumed from {ckpt} at step {step}" + (f" (changed: {'; '.join(changes)})" if changes else ""))
     if is_main:
-        out.mkdir(parents=True, exist_ok=True)
         kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= step] \
             if cfg.resume and metrics_path.exists() else []
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
@@ -328,10 +346,11 @@ def train(cfg: TrainConfig) -> dict:
         return (total[0] / total[1]).item()
 
     def checkpoint() -> None:
-        save_training_state(out, step, named, opt, sampler, bad_steps=bad, config=dataclasses.asdict(cfg),
+        save_training_state(out, step, named, opt, sampler, bad_steps=bad, config=run_config,
                             keep=cfg.keep_checkpoints, rank=rank)
         if world > 1:
             dist.barrier()
+        log(f"saved checkpoint {out / f'ckpt-{step:06d}'}")
 
     # ------------------------------------------------------------------------------------------ the loop
     first_loss = last_loss = eval_loss = None
@@ -450,8 +469,10 @@ def _check(cfg: TrainConfig) -> None:
         problems.append(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     if cfg.lora.rank < 0:
         problems.append(f"lora.rank must be >= 0, got {cfg.lora.rank}")
-    if cfg.warmup_steps < 0 or cfg.lr <= 0:
-        problems.append("warmup_steps must be >= 0 and lr positive")
+    if cfg.warmup_steps < 0:
+        problems.append(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    if not cfg.lr > 0:
+        problems.append(f"lr must be positive, got {cfg.lr}")
     if problems:
         raise ValueError("train config: " + "; ".join(problems))
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .fsdp import full_cpu, shard_like
+from .runs import checkpoints
 
 
 def rng_state() -> dict:
@@ -59,14 +60,14 @@ def save_training_state(folder: Path, step: int, named: dict[str, Tensor], opt: 
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    old = sorted(folder.glob("ckpt-*"))[:-keep] if keep > 0 else []
+    old = checkpoints(folder)[:-keep] if keep > 0 else []     # by step, so the newest steps stay
     for p in old:
         shutil.rmtree(p, ignore_errors=True)
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint folder in `folder` (one with a state.pt), or None."""
-    found = sorted(p for p in Path(folder).glob("ckpt-*") if (p / "state.pt").is_file())
+    """The complete checkpoint (one with a state.pt) of the highest step in `folder`, or None."""
+    found = [p for p in checkpoints(folder) if (p / "state.pt").is_file()]
     return found[-1] if found else None
 
 

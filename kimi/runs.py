@@ -1,0 +1,131 @@
+"""A training run's output folder: which run owns it, the configuration it ran with, what may change on resume
+(docs/checkpoints.md#run-folders).
+
+    out/run.json        the resolved configuration, the versions of Python, torch and kimi, the start time
+    out/ckpt-NNNNNN/    training checkpoints (kimi/train_state.py), rotated by step
+    out/metrics.jsonl, out/loss.png, out/model/
+
+A new run into a folder that already holds a run stops (`RunFolderError`) unless it resumes that run or the caller
+asks to overwrite it; nothing of another run is ever deleted silently. Stale temporary checkpoint folders (left by
+a process killed while saving) are removed when a run claims its folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+RUN_FILE = "run.json"
+RUN_ENTRIES = (RUN_FILE, "metrics.jsonl", "loss.png", "model")
+"""What a run writes besides its checkpoints (ckpt-*)."""
+
+
+class RunFolderError(ValueError):
+    """An output folder that holds another run, or a resume that cannot continue the run it names."""
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a checkpoint folder `ckpt-NNNNNN`, or None for any other name."""
+    digits = path.name.removeprefix("ckpt-")
+    return int(digits) if path.name.startswith("ckpt-") and digits.isdigit() else None
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint folders in `folder`, oldest step first (by number: ckpt-1000000 sorts after ckpt-999999)."""
+    found = [p for p in Path(folder).glob("ckpt-*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step)
+
+
+def holds_run(folder: Path) -> list[str]:
+    """The names in `folder` that belong to a run (empty: the folder is free)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    names = [n for n in RUN_ENTRIES if (folder / n).exists()]
+    return names + [p.name for p in checkpoints(folder)]
+
+
+def check(folder: Path, config: dict, *, resume: bool, overwrite: bool, allowed: frozenset[str]) -> list[str]:
+    """Whether a run with `config` may use `folder`, without touching it (every process may call it). Returns the
+    configuration changes of a resume that `allowed` covers (for the log); raises `RunFolderError` for:
+
+    - a new run (neither flag) into a folder holding a run, naming `--resume` and `--overwrite`;
+    - `resume` without a checkpoint, with `steps` not beyond the newest checkpoint's step, or with changes to the
+      saved configuration outside `allowed` (they would break exact resumption), each listed;
+    - both flags, or a path that is a file."""
+    folder = Path(folder)
+    if resume and overwrite:
+        raise RunFolderError("--resume and --overwrite exclude each other: continue the run or replace it")
+    if folder.exists() and not folder.is_dir():
+        raise RunFolderError(f"--out {folder} is a file, not a folder")
+    held = holds_run(folder)
+    if not resume:
+        if held and not overwrite:
+            raise RunFolderError(f"--out {folder} already holds a run ({', '.join(held[:4])}"
+                                 f"{', ...' if len(held) > 4 else ''}); pass --resume to continue it or --overwrite "
+                                 "to replace it")
+        return []
+    found = checkpoints(folder)
+    if not found:
+        raise RunFolderError(f"--resume: no checkpoint in {folder}" + (f" (it holds {', '.join(held)})"
+                                                                       if held else ""))
+    step = checkpoint_step(found[-1])
+    if config.get("steps") is not None and config["steps"] <= step:
+        raise RunFolderError(f"--resume: the newest checkpoint is at step {step}, so --steps {config['steps']} "
+                             "leaves nothing to train; raise --steps")
+    saved = json.loads((folder / RUN_FILE).read_text())["config"] if (folder / RUN_FILE).is_file() else None
+    if saved is None:
+        return []
+    before, now = _flat(saved), _flat(json.loads(json.dumps(config, default=str)))
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    refused = [k for k in changed if k not in allowed]
+    if refused:
+        lines = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in refused)
+        raise RunFolderError(f"--resume: the run was started with other settings ({lines}); resume with the same "
+                             "ones, or start a new run in another --out")
+    return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed]
+
+
+def claim(folder: Path, config: dict, *, resume: bool, overwrite: bool) -> None:
+    """Make `folder` this run's, after `check`: with `overwrite` the old run's files and checkpoints are removed;
+    stale `.tmp-ckpt-*` folders are removed; `run.json` records `config`, the versions and the start time (and, on
+    resume, the record it replaces). Call on the main process only."""
+    folder = Path(folder)
+    if overwrite and not resume:
+        for name in holds_run(folder):
+            path = folder / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    for tmp in folder.glob(".tmp-ckpt-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    record = {"config": config, "versions": versions(),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if resume and (folder / RUN_FILE).is_file():
+        record["resumed_from"] = json.loads((folder / RUN_FILE).read_text())
+    tmp = folder / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tmp.replace(folder / RUN_FILE)
+
+
+def versions() -> dict:
+    try:
+        kimi = importlib.metadata.version("kimi")
+    except importlib.metadata.PackageNotFoundError:
+        kimi = "not installed"
+    return {"python": platform.python_version(), "torch": torch.__version__, "kimi": kimi}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
