@@ -32,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -219,6 +220,11 @@ def build_data(cfg: TrainConfig, tok, model_cfg: ModelConfig) -> tuple[Rows, Row
 def setup_distributed(device_arg: str) -> tuple[int, int, torch.device]:
     """(rank, world, device). Under torchrun: NCCL on GPUs, gloo on CPUs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is usable here (a CPU-only torch build, or no GPU visible); "
+                         "use --device cpu or auto")
+    if device_arg not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device_arg!r}")
     use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
     if world == 1:
         return 0, 1, torch.device("cuda" if use_cuda else device_arg if device_arg != "auto" else "cpu")
@@ -243,6 +249,9 @@ def build_model(cfg: TrainConfig, device: torch.device, compute: torch.dtype):
         params = kimi.init_params(model_cfg, seed=cfg.seed, dtype="float32" if not cfg.lora.rank else
                                   str(compute).removeprefix("torch."), device=device)
         source = None
+    elif Path(cfg.model).is_file():
+        raise ValueError(f"--model {cfg.model!r} is a file; pass the checkpoint folder that holds config.json and "
+                         f"the safetensors ({Path(cfg.model).parent})")
     else:
         raise ValueError(f"--model {cfg.model!r} is neither a checkpoint folder nor a preset "
                          f"({sorted(kimi.PRESETS)})")
@@ -258,6 +267,7 @@ def build_model(cfg: TrainConfig, device: torch.device, compute: torch.dtype):
 def train(cfg: TrainConfig) -> dict:
     """Run the configured job; returns a summary (first/last loss, eval loss, tokens/s, wall time)."""
     _check(cfg)
+    t_run = time.perf_counter()
     run_config = dataclasses.asdict(cfg)
     changes = runs.check(Path(cfg.out), run_config, resume=cfg.resume, overwrite=cfg.overwrite,
                          allowed=RESUME_MAY_CHANGE)     # before anything is loaded: a refused folder costs nothing
@@ -281,6 +291,9 @@ def train(cfg: TrainConfig) -> dict:
     if accum * cfg.micro_batch_size * world != cfg.batch_size:
         raise ValueError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size="
                          f"{cfg.micro_batch_size} x {world} processes")
+    if is_main:
+        for w in degenerate_settings(cfg, len(train_rows)):
+            print(f"warning: {w}", file=sys.stderr)
     backend = kimi.Backend(attn=cfg.attn, kda=cfg.kda, moe=cfg.moe, mla_form=cfg.mla_form)
     scale = lora.scale_of(cfg.lora.rank, cfg.lora.alpha) if cfg.lora.rank else 1.0
     longest = max(train_rows.longest_document(), eval_rows.longest_document())
@@ -327,9 +340,12 @@ def train(cfg: TrainConfig) -> dict:
         f"grad accumulation {accum}")
 
     def record(m: dict) -> None:
+        """One metrics.jsonl row, stamped with the wall-clock time (UTC) and the seconds since this run started."""
         if is_main:
+            stamp = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                     "elapsed_s": round(time.perf_counter() - t_run, 3)}
             with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
+                f.write(json.dumps(m | stamp) + "\n")
 
     def evaluate() -> float | None:
         if len(eval_rows) == 0:
@@ -354,60 +370,71 @@ def train(cfg: TrainConfig) -> dict:
 
     # ------------------------------------------------------------------------------------------ the loop
     first_loss = last_loss = eval_loss = None
-    t_start, tokens_run, steps_run = time.perf_counter(), 0, 0
+    t_start, tokens_run, steps_run, t_first = time.perf_counter(), 0, 0, None
     t_log, tokens_log = t_start, 0
     mb = cfg.micro_batch_size
-    while step < cfg.steps:
-        batch = train_rows.select(sampler.take(cfg.batch_size))
-        mine = batch.select(slice(rank * accum * mb, (rank + 1) * accum * mb))
-        for g in opt.param_groups:
-            g["lr"] = lr_of(step)
-        result = train_step(micro_loss, (_on(mine.select(slice(k * mb, (k + 1) * mb)), device) for k in range(accum)),
-                            opt, named.values(), label_tokens=int((batch.labels != IGNORE).sum()),
-                            grad_clip=cfg.grad_clip, world=world)
-        loss, gnorm = result.loss, result.grad_norm
-        step += 1
-        steps_run += 1
-        if not result.finite:
-            bad += 1
-            warnings.warn(f"step {step}: non-finite loss {loss} or gradient norm {gnorm}; step skipped "
-                          f"({bad} in a row, stopping at {cfg.max_bad_steps})", stacklevel=1)
-            if bad >= cfg.max_bad_steps:
-                raise TrainingDiverged(f"{bad} consecutive steps with a non-finite loss or gradient; stopping at "
-                                       f"step {step} (last checkpoint in {out})")
-            continue
-        bad = 0
-        tokens = int((batch.document_ids >= 0).sum())
-        tokens_run += tokens
-        tokens_log += tokens
-        first_loss = loss if first_loss is None else first_loss
-        last_loss = loss
-        m = {"step": step, "loss": loss, "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm}
-        if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            tps = tokens_log / max(now - t_log, 1e-9)
-            m["tokens_per_s"] = tps
-            if peak:
-                m["mfu"] = tps * flops_tok / (peak * world)
-            eta = (now - t_start) / steps_run * (cfg.steps - step)
-            mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
-            log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | lr {m['lr']:.2e} | grad norm {gnorm:.3f} | "
-                f"{tps:,.0f} tok/s{mfu} | ETA {_fmt_time(eta)}")
-            t_log, tokens_log = now, 0
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            eval_loss = evaluate()
-            if eval_loss is not None:
-                m["eval_loss"] = eval_loss
-                log(f"step {step:>6} | eval loss {eval_loss:.4f}")
-        record(m)
-        stopping = cfg.stop_after is not None and steps_run >= cfg.stop_after
-        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps or stopping:
-            checkpoint()
-        if stopping:
-            log(f"stopping after {steps_run} steps as asked; continue with --resume")
-            break
+    with runs.StopSignals(log) as stop:   # SIGINT/SIGTERM: finish the step, save, stop
+        while step < cfg.steps:
+            if stop_requested(stop, world, device):
+                checkpoint()
+                name = signal.Signals(stop.signum).name
+                raise runs.Interrupted(stop.signum, f"{name} at step {step}: checkpoint saved in {out}; continue "
+                                                    "with --resume")
+            batch = train_rows.select(sampler.take(cfg.batch_size))
+            mine = batch.select(slice(rank * accum * mb, (rank + 1) * accum * mb))
+            for g in opt.param_groups:
+                g["lr"] = lr_of(step)
+            micro = (_on(mine.select(slice(k * mb, (k + 1) * mb)), device) for k in range(accum))
+            labels = int((batch.labels != IGNORE).sum())
+            result = train_step(micro_loss, micro, opt, named.values(), label_tokens=labels, grad_clip=cfg.grad_clip,
+                                world=world)
+            loss, gnorm = result.loss, result.grad_norm
+            step += 1
+            steps_run += 1
+            if steps_run == 1:
+                t_first = time.perf_counter()    # the step's loss is a host float: the step has finished
+            if not result.finite:
+                bad += 1
+                warnings.warn(f"step {step}: non-finite loss {loss} or gradient norm {gnorm}; step skipped "
+                              f"({bad} in a row, stopping at {cfg.max_bad_steps})", stacklevel=1)
+                if bad >= cfg.max_bad_steps:
+                    raise TrainingDiverged(f"{bad} consecutive steps with a non-finite loss or gradient; stopping at "
+                                           f"step {step} (last checkpoint in {out})")
+                continue
+            bad = 0
+            tokens = int((batch.document_ids >= 0).sum())
+            tokens_run += tokens
+            tokens_log += tokens
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            m = {"step": step, "loss": loss, "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm}
+            if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                tps = tokens_log / max(now - t_log, 1e-9)
+                m["tokens_per_s"] = tps
+                if peak:
+                    m["mfu"] = tps * flops_tok / (peak * world)
+                m["peak_memory_gib"] = peak_memory_gib(device)
+                # The ETA leaves out this run's first step (compilation, warm-up): it is the pace since then.
+                eta = "…" if steps_run == 1 else _fmt_time((now - t_first) / (steps_run - 1) * (cfg.steps - step))
+                mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
+                log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | lr {m['lr']:.2e} | grad norm {gnorm:.3f} | "
+                    f"{tps:,.0f} tok/s{mfu} | {m['peak_memory_gib']:.1f} GiB | ETA {eta}")
+                t_log, tokens_log = now, 0
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                eval_loss = evaluate()
+                if eval_loss is not None:
+                    m["eval_loss"] = eval_loss
+                    log(f"step {step:>6} | eval loss {eval_loss:.4f}")
+            record(m)
+            stopping = cfg.stop_after is not None and steps_run >= cfg.stop_after
+            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps or stopping:
+                checkpoint()
+            if stopping:
+                log(f"stopping after {steps_run} steps as asked; continue with --resume")
+                break
 
     # ------------------------------------------------------------------------------------------ eval, export, plot
     wall = time.perf_counter() - t_start
@@ -432,6 +459,16 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
+def stop_requested(stop: runs.StopSignals, world: int, device: torch.device) -> bool:
+    """Whether a signal asked to stop, on any process (they all stop at the same step, or a collective would hang)."""
+    if world == 1:
+        return stop.signum is not None
+    flag = torch.tensor([0 if stop.signum is None else stop.signum], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    stop.signum = int(flag) or None
+    return stop.signum is not None
+
+
 def _on(rows: Rows, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """A micro-batch's (input_ids, labels, document_ids) on the device."""
     return rows.input_ids.to(device), rows.labels.to(device), rows.document_ids.to(device)
@@ -452,6 +489,14 @@ def export(folder: Path, model_cfg: ModelConfig, params, adapters, scale: float,
         for name in ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(source) / name).is_file():
                 shutil.copy2(Path(source) / name, folder / name)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """The process's peak memory so far: allocated on the GPU, resident on the CPU (ru_maxrss, KiB on Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _fmt_time(s: float) -> str:
@@ -477,6 +522,20 @@ def _check(cfg: TrainConfig) -> None:
         raise ValueError("train config: " + "; ".join(problems))
 
 
+def degenerate_settings(cfg: TrainConfig, train_rows: int) -> list[str]:
+    """Settings that run but are almost certainly not what was meant, each as one sentence."""
+    found = []
+    if cfg.warmup_steps >= cfg.steps:
+        found.append(f"the warm-up ({cfg.warmup_steps} steps) is not shorter than the run ({cfg.steps} steps): the "
+                     "learning rate never reaches --lr")
+    if cfg.batch_size > train_rows:
+        found.append(f"a step takes {cfg.batch_size} rows but the training data has {train_rows}: rows repeat "
+                     "within a step")
+    if cfg.data.seq_len < 8:
+        found.append(f"--data.seq-len {cfg.data.seq_len}: rows this short give the model almost no context")
+    return found
+
+
 def main(argv: list[str] | None = None) -> dict:
     """`python train.py [PRESET] [--options]`; the preset (default tiny) supplies the defaults."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -494,3 +553,9 @@ if __name__ == "__main__":
     except ValueError as e:   # DataError, CheckpointError, TokenizerError, LoRAError, bad config values
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)
+    except runs.Interrupted as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:
+        print("aborted (a second Ctrl-C): nothing saved since the last checkpoint", file=sys.stderr)
+        sys.exit(130)

@@ -578,6 +578,7 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Tree, *, 
                 weight_map[name] = file
             save_file(tensors, tmp / file, metadata={"format": "pt"})
             del tensors
+            _readable(tmp / file)
             _fsync_file(tmp / file)
         _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": sum(e[2] for e in entries)},
                                        "weight_map": weight_map})
@@ -604,6 +605,13 @@ class _EncodeOnce:
         if not self.left:
             self.value = None
         return out
+
+
+def _readable(path: Path) -> None:
+    """Give a file the permissions any new file gets here (0666 less the umask): safetensors writes 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def _swap_into_place(tmp: Path, folder: Path) -> None:

@@ -17,6 +17,8 @@ import importlib.metadata
 import json
 import platform
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -129,3 +131,40 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
     return out
+
+
+class Interrupted(Exception):
+    """The run stopped on a signal after saving a checkpoint (train.py exits with 128 + the signal's number)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask the training loop to stop: the first sets `signum` (the loop finishes its step, saves
+    a checkpoint and raises `Interrupted`), a second SIGINT aborts at once (KeyboardInterrupt). A context manager;
+    outside the main thread it installs nothing (signals are delivered there only)."""
+
+    def __init__(self, say=print):
+        self.signum: int | None = None
+        self._say = say
+        self._old: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        self._old.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self._say(f"{signal.Signals(signum).name}: finishing this step and saving a checkpoint (Ctrl-C again to "
+                  "abort at once)")

@@ -537,3 +537,16 @@ def test_save_refuses_non_checkpoint_folder_and_bad_trees(tmp_path):
     with pytest.raises(CheckpointError, match="model.norm.weight"):
         save_checkpoint(tmp_path / "x", CFG, params)
     assert not (tmp_path / "x").exists()
+
+
+def test_saved_files_get_the_usual_permissions(tmp_path):
+    """Every file of a saved checkpoint is readable as any new file is here (0666 less the umask); safetensors
+    alone would write its shards 0600."""
+    import os
+    import stat
+    cfg = preset("tiny")
+    save_checkpoint(tmp_path / "ckpt", cfg, init_params(cfg, seed=0))
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "ckpt").iterdir()}
+    assert modes and all(m == 0o666 & ~mask for m in modes.values()), modes

@@ -71,3 +71,67 @@ def test_a_refused_folder_is_a_one_line_error(setup, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1].startswith("error: RunFolderError: --out ")
     assert _files(out) == ["ckpt-000003"]
+
+
+def _cli(ckpt, corpus, out, *extra):
+    return [sys.executable, str(ROOT / "train.py"), "--model", str(ckpt), "--data.paths", str(corpus),
+            "--data.seq-len", "32", "--batch-size", "2", "--micro-batch-size", "2", "--warmup-steps", "1",
+            "--log-every", "1", "--eval-every", "0", "--eval-rows", "2", "--ckpt-every", "0", "--device", "cpu",
+            "--dtype", "float32", "--compile", "off", "--no-export", "--out", str(out), *extra]
+
+
+def test_sigint_saves_and_resume_continues_exactly(setup, tmp_path):
+    """Ctrl-C during training: the step finishes, a checkpoint is saved, one line, exit 130, no traceback; --resume
+    then ends with the losses of a run that was never interrupted."""
+    import signal
+    _, ckpt, corpus = setup
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    subprocess.run(_cli(ckpt, corpus, straight, "--steps", "12"), check=True, capture_output=True, timeout=300,
+                   env=env)
+    p = subprocess.Popen(_cli(ckpt, corpus, stopped, "--steps", "12"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    for line in p.stdout:
+        if line.startswith("step      2/"):
+            p.send_signal(signal.SIGINT)
+            break
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("stopped: SIGINT at step "), err[-3000:]
+    at = runs.checkpoint_step(latest_checkpoint(stopped))
+    assert 2 <= at < 12
+    subprocess.run(_cli(ckpt, corpus, stopped, "--steps", "12", "--resume"), check=True, capture_output=True,
+                   timeout=300, env=env)
+    assert losses(stopped) == losses(straight) and len(losses(straight)) == 12
+
+
+def test_degenerate_settings_are_warned(setup, tmp_path, capsys):
+    _, ckpt, corpus = setup
+    train.train(config(ckpt, corpus, tmp_path / "run", steps=2, warmup_steps=2,
+                       data=train.DataConfig(paths=(str(corpus),), seq_len=6, long_documents="split"),
+                       export=False))
+    err = capsys.readouterr().err
+    assert "warning: the warm-up (2 steps) is not shorter than the run (2 steps)" in err
+    assert "warning: --data.seq-len 6: rows this short" in err
+    assert train.degenerate_settings(config(ckpt, corpus, tmp_path, batch_size=8), 5) == [
+        "a step takes 8 rows but the training data has 5: rows repeat within a step"]
+    assert train.degenerate_settings(config(ckpt, corpus, tmp_path), 100) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cuda"], "--device cuda: no CUDA device is usable here"),
+    (["--lr", "-1"], "lr must be positive, got -1.0"),
+    (["--model", "{ckpt}/config.json"], "is a file; pass the checkpoint folder"),
+])
+def test_user_mistakes_are_one_line_errors(setup, tmp_path, args, message):
+    import torch
+    if args[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is not a mistake here")
+    _, ckpt, corpus = setup
+    args = [a.format(ckpt=ckpt) for a in args]
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", str(ckpt), "--data.paths", str(corpus),
+                        "--device", "cpu", "--out", str(tmp_path / "out"), *args], capture_output=True, text=True,
+                       timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
