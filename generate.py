@@ -39,6 +39,7 @@ class Args:
     preset: str | None = None
     """Instead of a checkpoint: a preset with random weights (for timing, not for text)."""
     prompt: str | None = None
+    """One prompt, as text (raw, or a user turn with --chat)."""
     prompts_file: Path | None = None
     """A batch: one prompt per line (a literal \\n in a line is a newline), or a .jsonl file of
     {"prompt": ...} or {"messages": [...]} lines."""
@@ -49,9 +50,13 @@ class Args:
     system: str | None = None
     """A system message for --chat."""
     thinking: bool = True
+    """Chat prompts: let the model think before it answers (the chat format's thinking mode)."""
     thinking_effort: Literal["low", "medium", "high", "max"] | None = "max"
+    """Chat prompts in thinking mode: how much the model is asked to think."""
     max_new_tokens: int = 128
+    """Tokens to generate per prompt at most (a row stops earlier at a stop token)."""
     sampling: Sampling = Sampling()
+    """How the next token is drawn from the logits."""
     stop_ids: tuple[int, ...] = ()
     """More token ids that end a row (the tokenizer's <|end_of_msg|> and [EOS] always do)."""
     ignore_stop: bool = False
@@ -59,8 +64,13 @@ class Args:
     max_len: int | None = None
     """Cache length (default: the longest prompt + max_new_tokens)."""
     prefill_chunk: int | None = None
-    """Prefill in chunks of this many tokens (default: the whole prompt at once)."""
+    """Prefill in chunks of this many tokens (default: 8,192 for prompts longer than that, printing progress after
+    each chunk; shorter prompts at once)."""
+    output: Path | None = None
+    """Also write the results to this .jsonl file, one line per prompt: {"index", "text", "tokens", "stopped"}.
+    Refused if the file exists."""
     device: str = "auto"
+    """auto (cuda if present), cpu or cuda."""
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     """auto: bfloat16 on CUDA, float32 on the CPU."""
     compile: bool | None = None
@@ -73,6 +83,10 @@ class Args:
     """Print tokens as they come (one prompt only)."""
     bos: bool = True
     """Start raw (non-chat) prompts with [BOS], as train.py's text documents do. Chat prompts never get one."""
+
+
+LONG_PROMPT = 8192
+"""Prompts longer than this are prefilled in chunks of it by default, with a progress line after each."""
 
 
 def _read_prompts(a: Args, tok: Tokenizer) -> list[list[int]]:
@@ -145,6 +159,14 @@ def run(a: Args, out=sys.stdout, err=sys.stderr) -> Result:
     print(f"loaded {kimi.param_count(cfg) / 1e6:.1f}M parameters ({dtype}, {device}) in "
           f"{time.perf_counter() - t:.1f} s; tokenizer: {type(tok).__name__}", file=err)
     prompts = _read_prompts(a, tok)
+    if a.output is not None and a.output.exists():
+        raise GenerateError(f"--output {a.output} exists; pass another path (nothing is overwritten)")
+    longest = max(map(len, prompts))
+    chunk = a.prefill_chunk or (LONG_PROMPT if longest > LONG_PROMPT else None)
+
+    def on_prefill(done: int, total: int, seconds: float) -> None:
+        print(f"prefill: {done:,}/{total:,} tokens, {done / max(seconds, 1e-9):,.0f} tokens/s, "
+              f"{seconds:.1f} s", file=err, flush=True)
     compile = a.compile if a.compile is not None else device.type == "cuda"
     if compile:
         print("compiling: one graph per distinct layer for the prefill and the decode step, then the decode step is "
@@ -160,13 +182,21 @@ def run(a: Args, out=sys.stdout, err=sys.stderr) -> Result:
     with torch.no_grad():
         res = generate(params, cfg, prompts, max_new_tokens=a.max_new_tokens, sampling=a.sampling,
                        stop_ids=() if a.ignore_stop else tuple(tok.stop_ids) + tuple(a.stop_ids),
-                       backend=a.backend, max_len=a.max_len, prefill_chunk=a.prefill_chunk, compile=compile,
-                       on_token=on_token if stream else None)
+                       backend=a.backend, max_len=a.max_len, prefill_chunk=chunk, compile=compile,
+                       on_token=on_token if stream else None,
+                       on_prefill=on_prefill if chunk is not None and longest > chunk else None)
     if stream:
         out.write(decoder.decode(b"", final=True) + "\n")
     else:
         for b, ids in enumerate(res.tokens):
             out.write(f"--- {b}\n{tok.decode(ids)}\n")
+    if a.output is not None:
+        rows = [json.dumps({"index": b, "text": tok.decode(ids), "tokens": ids, "stopped": stop})
+                for b, (ids, stop) in enumerate(zip(res.tokens, res.stopped))]
+        tmp = a.output.with_name(a.output.name + ".tmp")
+        tmp.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+        tmp.replace(a.output)
+        print(f"wrote {len(rows)} results to {a.output}", file=err)
     print(res.report(), file=err)
     return res
 

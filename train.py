@@ -98,7 +98,9 @@ class TrainConfig:
     out: str = "out/tiny"
     """Output folder: training checkpoints ckpt-NNNNNN/, metrics.jsonl, loss.png, the export in model/."""
     data: DataConfig = DataConfig()
+    """The training text: files, row length, packing."""
     lora: LoRAConfig = LoRAConfig()
+    """Low-rank adapters instead of full fine-tuning (rank 0: off)."""
 
     steps: int = 100
     """Optimizer steps."""
@@ -109,17 +111,21 @@ class TrainConfig:
     gradient-accumulation count."""
 
     lr: float = 3e-3
+    """Peak learning rate of AdamW, reached after the warm-up."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr."""
     schedule: Literal["cosine", "wsd"] = "cosine"
     """After linear warmup: cosine decay, or warmup-stable-decay (constant, then linear decay)."""
     warmup_steps: int = 10
+    """Steps of linear warm-up from 0 to lr."""
     decay_fraction: float = 0.2
     """WSD only: share of steps in the final linear decay."""
     weight_decay: float = 0.1
     """Applied to matrices only (not norms, A_log, dt_bias, conv weights)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates (beta1, beta2)."""
     eps: float = 1e-8
+    """AdamW's denominator epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: off)."""
 
@@ -153,6 +159,7 @@ class TrainConfig:
     fp32 products is rounded, so near-ties in the frozen top-k may flip). --no-tf32 keeps them full fp32."""
 
     log_every: int = 10
+    """Print a progress line (loss, tokens/s, MFU, memory, ETA) every this many steps, and at the first and last."""
     eval_every: int = 50
     """Evaluate every this many steps and at the end (0: only at the end)."""
     eval_rows: int = 64

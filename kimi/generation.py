@@ -34,7 +34,13 @@ class Sampling:
     """Keep only the k most likely tokens."""
     top_p: float | None = None
     """Keep the smallest set of tokens whose probability reaches p (nucleus sampling)."""
+    min_p: float | None = None
+    """Keep the tokens at least min_p times as likely as the most likely one."""
+    repetition_penalty: float = 1.0
+    """> 1 makes tokens already in the row (prompt or generated) less likely: their logit is divided by it when
+    positive, multiplied when negative (CTRL's rule). 1: off."""
     seed: int = 0
+    """Seed of the sampling noise (the same seed, prompts and model give the same tokens)."""
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -43,14 +49,26 @@ class Sampling:
             raise GenerateError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise GenerateError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise GenerateError(f"min_p must lie in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise GenerateError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
 
 
-def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None = None) -> Tensor:
-    """Next ids [B] from logits [B, V] (any float dtype; computed in fp32)."""
+def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None = None, seen: Tensor | None = None
+           ) -> Tensor:
+    """Next ids [B] from logits [B, V] (any float dtype; computed in fp32). seen [B, V] bool: the tokens each row
+    already holds (for `repetition_penalty`)."""
     logits = logits.float()
+    if s.repetition_penalty != 1 and seen is not None:
+        p = s.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
     if s.temperature == 0:
         return logits.argmax(-1)
     logits = logits / s.temperature
+    if s.min_p is not None and s.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < s.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = logits.topk(s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -193,12 +211,14 @@ def generate(params: dict, cfg: ModelConfig, prompts: list[list[int]], *, max_ne
              sampling: Sampling = Sampling(), stop_ids: tuple[int, ...] = (), backend: Backend | None = None,
              max_len: int | None = None, prefill_chunk: int | None = None, compile: bool = False,
              on_token: Callable[[Tensor], None] | None = None, steps: tuple[Callable, Callable] | None = None,
-             ) -> Result:
+             on_prefill: Callable[[int, int, float], None] | None = None) -> Result:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
     Rows stop at any of `stop_ids`; the batch stops when every row has. `on_token(ids [B])` sees each step's tokens
     (for streaming). `max_len` is the cache length (default: longest prompt + max_new_tokens). `backend` defaults
-    to `DEFAULT_BACKEND`; `steps` (prefill, decode) to `make_steps(cfg, backend, compile)`."""
+    to `DEFAULT_BACKEND`; `steps` (prefill, decode) to `make_steps(cfg, backend, compile)`. `on_prefill(done,
+    total, seconds)` is called after each prefill chunk (it synchronizes the device to time it: progress for long
+    prompts)."""
     backend = backend or DEFAULT_BACKEND
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerateError("every prompt needs at least one token")
@@ -229,19 +249,30 @@ def generate(params: dict, cfg: ModelConfig, prompts: list[list[int]], *, max_ne
     chunk = prefill_chunk or T0
     for c0 in range(0, T0, chunk):
         logits = prefill(params, ids[:, c0:c0 + chunk], cache)
+        if on_prefill is not None:
+            sync()
+            on_prefill(min(c0 + chunk, T0), T0, time.perf_counter() - t0)
     sync()
     prefill_s = time.perf_counter() - t0
 
     B = len(prompts)
     out = torch.empty(B, max_new_tokens, dtype=torch.int64, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    seen = None
+    if sampling.repetition_penalty != 1:     # each row's tokens so far: its prompt (not the left padding), then
+        real = torch.arange(T0, device=device)[None, :] >= start.to(device)[:, None]      # what it generates
+        seen = torch.zeros(B, cfg.vocab_size + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, torch.where(real, ids, cfg.vocab_size), True)
+        seen = seen[:, :cfg.vocab_size].contiguous()
     n = 0
     first_steps_s, t_decode = 0.0, time.perf_counter()
     for n in range(max_new_tokens):
         if n == 2:
             sync()
             first_steps_s, t_decode = time.perf_counter() - t_decode, time.perf_counter()
-        nxt = sample(logits, sampling, gen)
+        nxt = sample(logits, sampling, gen, seen)
+        if seen is not None:
+            seen[torch.arange(B, device=device), nxt] = True
         out[:, n] = nxt
         if on_token is not None:
             on_token(nxt)

@@ -42,6 +42,45 @@ def test_cli_batch_file_and_stream(ckpt, tmp_path):
     assert out.getvalue() == tok.decode(res.tokens[0]) + "\n"
 
 
+def test_cli_output_jsonl_is_written_once(ckpt, tmp_path):
+    import json
+    f, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    f.write_text("first prompt\nsecond\n")
+    res = gen.run(gen.Args(checkpoint=ckpt, prompts_file=f, max_new_tokens=3, ignore_stop=True, output=out),
+                  io.StringIO(), io.StringIO())
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1] and [r["tokens"] for r in rows] == res.tokens
+    assert rows[0]["text"] == kimi.tokenizer.ByteTokenizer().decode(res.tokens[0])
+    with pytest.raises(gen.GenerateError, match="exists"):
+        gen.run(gen.Args(checkpoint=ckpt, prompts_file=f, max_new_tokens=3, output=out), io.StringIO(),
+                io.StringIO())
+
+
+def test_cli_long_prompts_print_prefill_progress(ckpt, monkeypatch):
+    monkeypatch.setattr(gen, "LONG_PROMPT", 16)
+    err = io.StringIO()
+    gen.run(gen.Args(checkpoint=ckpt, prompt="x" * 40, max_new_tokens=1, ignore_stop=True), io.StringIO(), err)
+    progress = [ln for ln in err.getvalue().splitlines() if ln.startswith("prefill: ") and " tokens, " in ln]
+    assert [ln.split(",")[0] for ln in progress] == ["prefill: 16/41 tokens", "prefill: 32/41 tokens",
+                                                     "prefill: 41/41 tokens"]
+
+
+def test_cli_help_describes_every_option(capsys):
+    """Every option of generate.py and of its sampling settings carries a docstring (what --help prints for it),
+    and --help runs."""
+    import ast
+    import inspect
+    for cls in (gen.Args, gen.Sampling):
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        for node, nxt in zip(body, body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign):
+                doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
+                assert isinstance(doc, str) and len(doc) > 10, f"{cls.__name__}.{node.target.id} has no description"
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--help"])
+    assert e.value.code == 0 and "--sampling.repetition-penalty" in capsys.readouterr().out
+
+
 def test_cli_chat_prompt(ckpt):
     res = gen.run(gen.Args(checkpoint=ckpt, prompt="hi", chat=True, thinking=False, max_new_tokens=2,
                            ignore_stop=True), io.StringIO(), io.StringIO())

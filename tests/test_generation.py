@@ -83,11 +83,46 @@ def test_top_p_keeps_the_smallest_set():
     assert seen == {0, 1}
 
 
+def test_min_p_keeps_the_tokens_near_the_best():
+    """min_p = 0.25 of the top probability 0.5 keeps 0.5, 0.3 and 0.15 (>= 0.125), never 0.05."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {int(gen.sample(logits, gen.Sampling(temperature=1, min_p=0.25), torch.Generator().manual_seed(s)))
+            for s in range(300)}
+    assert seen == {0, 1, 2}
+
+
+def test_repetition_penalty_follows_the_ctrl_rule(params):
+    """A seen token's positive logit is divided by the penalty, a negative one multiplied; unseen ones stay. In
+    generation the prompt (not its left padding) and the generated tokens count as seen: with a huge penalty and
+    greedy decoding no token repeats."""
+    logits = torch.tensor([[2.0, -1.0, 1.5, 0.5]])
+    seen = torch.tensor([[True, True, False, False]])
+    s = gen.Sampling(temperature=0, repetition_penalty=4.0)
+    assert int(gen.sample(logits, s, seen=seen)) == 2                       # 2.0 -> 0.5 falls below 1.5
+    assert int(gen.sample(logits, gen.Sampling(temperature=0), seen=seen)) == 0
+    prompts = [[5, 6, 7], [9]]
+    res = gen.generate(params, CFG, prompts, max_new_tokens=12, stop_ids=(),
+                       sampling=gen.Sampling(temperature=0, repetition_penalty=1e9))
+    for p, row in zip(prompts, res.tokens):
+        assert len(set(p + row)) == len(p + row), (p, row)
+
+
+def test_prefill_reports_progress_per_chunk(params):
+    calls = []
+    gen.generate(params, CFG, [list(range(1, 23))], max_new_tokens=1, prefill_chunk=8,
+                 on_prefill=lambda done, total, s: calls.append((done, total)))
+    assert calls == [(8, 22), (16, 22), (22, 22)]
+
+
 def test_generate_errors():
     with pytest.raises(gen.GenerateError, match="outside the model's vocabulary"):
         gen.generate(kimi.init_params(CFG, seed=0), CFG, [[1, 600]], max_new_tokens=2)
     with pytest.raises(gen.GenerateError, match="top_p"):
         gen.Sampling(top_p=0)
+    with pytest.raises(gen.GenerateError, match="min_p"):
+        gen.Sampling(min_p=1.5)
+    with pytest.raises(gen.GenerateError, match="repetition_penalty"):
+        gen.Sampling(repetition_penalty=0)
 
 
 def test_compiled_steps_equal_eager():

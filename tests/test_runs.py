@@ -135,3 +135,15 @@ def test_user_mistakes_are_one_line_errors(setup, tmp_path, args, message):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, last
+
+
+def test_every_option_is_described():
+    """Every train.py option carries a docstring (what --help prints for it)."""
+    import ast
+    import inspect
+    for cls in (train.TrainConfig, train.DataConfig, train.LoRAConfig):
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        for node, nxt in zip(body, body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign):
+                doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
+                assert isinstance(doc, str) and len(doc) > 10, f"{cls.__name__}.{node.target.id} has no description"
