@@ -403,6 +403,8 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | torch.dtype | None = N
 
     problems = _Problems(str(folder))
     headers = _scan_headers(folder, problems)
+    if problems:   # unreadable or absent files: their tensors would all be reported "missing", with wrong hints
+        problems.raise_if_any()
     plan = _match(cfg, headers, problems)
     problems.raise_if_any()
 

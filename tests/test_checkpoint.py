@@ -550,3 +550,17 @@ def test_saved_files_get_the_usual_permissions(tmp_path):
     os.umask(mask)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "ckpt").iterdir()}
     assert modes and all(m == 0o666 & ~mask for m in modes.values()), modes
+
+
+def test_a_truncated_shard_is_reported_as_the_cause_alone(tmp_path):
+    """A shard cut short (a copy interrupted): the report names the file and stops there, without listing its
+    tensors as missing or hinting at a config mismatch."""
+    cfg = preset("tiny")
+    save_checkpoint(tmp_path / "ckpt", cfg, init_params(cfg, seed=0), max_shard_bytes=2**20)
+    shard = sorted((tmp_path / "ckpt").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path / "ckpt")
+    text = str(e.value)
+    assert f"{shard.name}: cannot read the safetensors header" in text
+    assert "missing" not in text and "hint" not in text, text
