@@ -119,3 +119,17 @@ def visible_of(document_ids: torch.Tensor) -> torch.Tensor:
     T = seg.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     return causal & (seg[:, :, None] == seg[:, None, :]) & (seg >= 0)[:, :, None]
+
+
+def undocumented_fields(cls) -> list[str]:
+    """The fields of dataclass `cls` without a docstring (the string after the field that tyro's --help prints)."""
+    import ast
+    import inspect
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    missing = []
+    for node, nxt in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign):
+            doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else None
+            if not (isinstance(doc, str) and len(doc) > 10):
+                missing.append(node.target.id)
+    return missing

@@ -68,14 +68,9 @@ def test_cli_long_prompts_print_prefill_progress(ckpt, monkeypatch):
 def test_cli_help_describes_every_option(capsys):
     """Every option of generate.py and of its sampling settings carries a docstring (what --help prints for it),
     and --help runs."""
-    import ast
-    import inspect
+    from helpers import undocumented_fields
     for cls in (gen.Args, gen.Sampling):
-        body = ast.parse(inspect.getsource(cls)).body[0].body
-        for node, nxt in zip(body, body[1:] + [None]):
-            if isinstance(node, ast.AnnAssign):
-                doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
-                assert isinstance(doc, str) and len(doc) > 10, f"{cls.__name__}.{node.target.id} has no description"
+        assert undocumented_fields(cls) == [], cls.__name__
     with pytest.raises(SystemExit) as e:
         gen.main(["--help"])
     assert e.value.code == 0 and "--sampling.repetition-penalty" in capsys.readouterr().out

@@ -139,11 +139,6 @@ def test_user_mistakes_are_one_line_errors(setup, tmp_path, args, message):
 
 def test_every_option_is_described():
     """Every train.py option carries a docstring (what --help prints for it)."""
-    import ast
-    import inspect
+    from helpers import undocumented_fields
     for cls in (train.TrainConfig, train.DataConfig, train.LoRAConfig):
-        body = ast.parse(inspect.getsource(cls)).body[0].body
-        for node, nxt in zip(body, body[1:] + [None]):
-            if isinstance(node, ast.AnnAssign):
-                doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
-                assert isinstance(doc, str) and len(doc) > 10, f"{cls.__name__}.{node.target.id} has no description"
+        assert undocumented_fields(cls) == [], cls.__name__
