@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 RUN_FILE = "run.json"
+STATE_FILE = "state.pt"
+"""The file a complete checkpoint folder holds (kimi/train_state.py writes it last, by renaming its folder)."""
 RUN_ENTRIES = (RUN_FILE, "metrics.jsonl", "loss.png", "model")
 """What a run writes besides its checkpoints (ckpt-*)."""
 
@@ -42,6 +44,12 @@ def checkpoints(folder: Path) -> list[Path]:
     """The checkpoint folders in `folder`, oldest step first (by number: ckpt-1000000 sorts after ckpt-999999)."""
     found = [p for p in Path(folder).glob("ckpt-*") if p.is_dir() and checkpoint_step(p) is not None]
     return sorted(found, key=checkpoint_step)
+
+
+def latest_complete(folder: Path) -> Path | None:
+    """The checkpoint of the highest step that holds its state file, or None."""
+    found = [p for p in checkpoints(folder) if (p / STATE_FILE).is_file()]
+    return found[-1] if found else None
 
 
 def holds_run(folder: Path) -> list[str]:
@@ -73,11 +81,11 @@ def check(folder: Path, config: dict, *, resume: bool, overwrite: bool, allowed:
                                  f"{', ...' if len(held) > 4 else ''}); pass --resume to continue it or --overwrite "
                                  "to replace it")
         return []
-    found = checkpoints(folder)
-    if not found:
-        raise RunFolderError(f"--resume: no checkpoint in {folder}" + (f" (it holds {', '.join(held)})"
-                                                                       if held else ""))
-    step = checkpoint_step(found[-1])
+    latest = latest_complete(folder)
+    if latest is None:
+        raise RunFolderError(f"--resume: no complete checkpoint in {folder}" + (f" (it holds {', '.join(held)})"
+                                                                                if held else ""))
+    step = checkpoint_step(latest)
     if config.get("steps") is not None and config["steps"] <= step:
         raise RunFolderError(f"--resume: the newest checkpoint is at step {step}, so --steps {config['steps']} "
                              "leaves nothing to train; raise --steps")

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .fsdp import full_cpu, shard_like
-from .runs import checkpoints
+from .runs import STATE_FILE, checkpoints, latest_complete
 
 
 def rng_state() -> dict:
@@ -53,7 +53,7 @@ def save_training_state(folder: Path, step: int, named: dict[str, Tensor], opt: 
     tmp = folder / f".tmp-ckpt-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with open(tmp / "state.pt", "wb") as f:
+    with open(tmp / STATE_FILE, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
@@ -67,14 +67,13 @@ def save_training_state(folder: Path, step: int, named: dict[str, Tensor], opt: 
 
 def latest_checkpoint(folder: Path) -> Path | None:
     """The complete checkpoint (one with a state.pt) of the highest step in `folder`, or None."""
-    found = [p for p in checkpoints(folder) if (p / "state.pt").is_file()]
-    return found[-1] if found else None
+    return latest_complete(folder)
 
 
 def load_training_state(path: Path, named: dict[str, Tensor], opt: torch.optim.Optimizer, sampler) -> tuple[int, int]:
     """Restore what `save_training_state` wrote into this run's leaves, optimizer, sampler and RNGs (each leaf
     placed like the run's own: sharded under FSDP); returns (step, bad_steps)."""
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     if set(state["params"]) != set(named):
         missing, extra = sorted(set(named) - set(state["params"])), sorted(set(state["params"]) - set(named))
         raise ValueError(f"{path}: checkpoint does not match this run's trained parameters "

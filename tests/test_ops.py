@@ -79,8 +79,8 @@ def test_resolve_attention_by_length():
     assert attn(queries=n + 1, keys=n + 1) == ("gather", "absorbed")
     assert attn(queries=64, keys=64, every_candidate=True) == ("gather", "absorbed")
     assert attn(queries=n + 1, keys=n + 1, backend=dict(mla_form="expanded")) == ("sdpa", "expanded")
-    assert attn(queries=1, keys=8192, cached=True) == ("eager", "absorbed")
-    assert attn(queries=1, keys=8193, cached=True) == ("gather", "absorbed")
+    assert attn(queries=1, keys=ops.DENSE_MASK_MAX_SLOTS_CACHED, cached=True) == ("eager", "absorbed")
+    assert attn(queries=1, keys=ops.DENSE_MASK_MAX_SLOTS_CACHED + 1, cached=True) == ("gather", "absorbed")
     assert attn(queries=4096, keys=8192, cached=True) == ("gather", "absorbed")      # 2^25 pairs
     assert attn(queries=4, keys=64, cached=True, every_candidate=True) == ("eager", "absorbed")
 

@@ -45,8 +45,11 @@ def test_resume_keeps_the_runs_settings(setup, tmp_path):
         train.train(config(ckpt, corpus, out, steps=2, resume=True))
     with pytest.raises(runs.RunFolderError, match="exclude each other"):
         train.train(config(ckpt, corpus, out, resume=True, overwrite=True))
-    with pytest.raises(runs.RunFolderError, match="no checkpoint in"):
+    with pytest.raises(runs.RunFolderError, match="no complete checkpoint in"):
         train.train(config(ckpt, corpus, tmp_path / "empty", resume=True))
+    (tmp_path / "half" / "ckpt-000003").mkdir(parents=True)       # a folder without its state: not resumable
+    with pytest.raises(runs.RunFolderError, match="no complete checkpoint in .*ckpt-000003"):
+        train.train(config(ckpt, corpus, tmp_path / "half", resume=True))
     summary = train.train(config(ckpt, corpus, out, steps=5, resume=True, export=False))   # a longer run: allowed
     assert summary["steps"] == 5 and latest_checkpoint(out).name == "ckpt-000005"
     record = json.loads((out / "run.json").read_text())

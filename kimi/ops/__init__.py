@@ -61,10 +61,11 @@ DENSE_MASK_MAX_KEYS = 32768
 is faster than the torch 'gather' path and holds less memory (docs/performance.md#sparse-attention); beyond, and
 whenever every candidate is attended (dense attention over the ranges needs no T×T mask), 'gather'."""
 
+DENSE_MASK_MAX_SLOTS_CACHED = 8192
 DENSE_MASK_MAX_PAIRS_CACHED = 1 << 24
 """With a cache the dense-mask reference is the absorbed form, whose fp32 scores are [B, H, T, S]: `attn="auto"`
-keeps it for at most this many (query, key) pairs and at most 8,192 keys (decode steps over short caches) and
-runs 'gather' otherwise (long caches, long prefill chunks)."""
+keeps it for at most `DENSE_MASK_MAX_SLOTS_CACHED` cache slots and this many (query, key) pairs (decode steps over
+short caches) and runs 'gather' otherwise (long caches, long prefill chunks)."""
 
 QUERY_BLOCK = 1024
 """Queries a block on the range-based paths (indexer scores and top-k, dense attention over the ranges)."""
@@ -98,7 +99,7 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
     form, attn = backend.mla_form, backend.attn
     if attn == "auto" and form != "expanded" and keys is not None:
         if cached:
-            dense = keys <= 8192 and (queries or 1) * keys <= DENSE_MASK_MAX_PAIRS_CACHED
+            dense = keys <= DENSE_MASK_MAX_SLOTS_CACHED and (queries or 1) * keys <= DENSE_MASK_MAX_PAIRS_CACHED
         else:
             dense = keys <= DENSE_MASK_MAX_KEYS and not every_candidate
         attn = attn if dense else "gather"
