@@ -57,7 +57,7 @@ from kimi.params import leaf_dtype, param_specs, to_dtype, tree_items, tree_map
 from kimi import runs
 from kimi.plot import plot_metrics
 from kimi.tokenizer import load_tokenizer
-from kimi.train_state import latest_checkpoint, load_training_state, save_training_state
+from kimi.train_state import load_training_state, save_training_state
 from kimi.training import (adamw, compiled_loss, fp32_paths, loss_sum, lr_at, model_flops_per_token, peak_flops,
                            train_step, trainable_named)
 
@@ -329,7 +329,7 @@ def train(cfg: TrainConfig) -> dict:
     if world > 1:
         dist.barrier()
     if cfg.resume:
-        ckpt = latest_checkpoint(out)
+        ckpt = runs.latest_complete(out)
         step, bad = load_training_state(ckpt, named, opt, sampler)
         log(f"resumed from {ckpt} at step {step}" + (f" (changed: {'; '.join(changes)})" if changes else ""))
     if is_main:
@@ -369,11 +369,9 @@ def train(cfg: TrainConfig) -> dict:
         return (total[0] / total[1]).item()
 
     def checkpoint() -> None:
-        save_training_state(out, step, named, opt, sampler, bad_steps=bad, config=run_config,
-                            keep=cfg.keep_checkpoints, rank=rank)
-        if world > 1:
-            dist.barrier()
-        log(f"saved checkpoint {out / f'ckpt-{step:06d}'}")
+        saved = save_training_state(out, step, named, opt, sampler, bad_steps=bad, config=run_config,
+                                    keep=cfg.keep_checkpoints, rank=rank)
+        log(f"saved checkpoint {saved}")
 
     # ------------------------------------------------------------------------------------------ the loop
     first_loss = last_loss = eval_loss = None

@@ -141,11 +141,3 @@ def full_cpu(t: Tensor) -> Tensor:
     if hasattr(t, "full_tensor"):
         t = t.full_tensor()
     return t.detach().to("cpu", copy=True)
-
-
-def shard_like(full: Tensor, param: Tensor) -> Tensor:
-    """`full` placed like `param` (sharded the same way if param is a DTensor)."""
-    if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-        return distribute_tensor(full.to(param.to_local().device), param.device_mesh, param.placements)
-    return full.to(param.device)

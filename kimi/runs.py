@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 RUN_FILE = "run.json"
-STATE_FILE = "state.pt"
+STATE_FILE = "trainer.json"
 """The file a complete checkpoint folder holds (kimi/train_state.py writes it last, by renaming its folder)."""
 RUN_ENTRIES = (RUN_FILE, "metrics.jsonl", "loss.png", "model")
 """What a run writes besides its checkpoints (ckpt-*)."""

@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from kimi import runs
-from kimi.train_state import latest_checkpoint
 
 from test_train import ROOT, config, losses, setup, train  # noqa: F401  (setup is a fixture)
 
@@ -51,7 +50,7 @@ def test_resume_keeps_the_runs_settings(setup, tmp_path):
     with pytest.raises(runs.RunFolderError, match="no complete checkpoint in .*ckpt-000003"):
         train.train(config(ckpt, corpus, tmp_path / "half", resume=True))
     summary = train.train(config(ckpt, corpus, out, steps=5, resume=True, export=False))   # a longer run: allowed
-    assert summary["steps"] == 5 and latest_checkpoint(out).name == "ckpt-000005"
+    assert summary["steps"] == 5 and runs.latest_complete(out).name == "ckpt-000005"
     record = json.loads((out / "run.json").read_text())
     assert record["config"]["steps"] == 5 and record["resumed_from"]["config"]["steps"] == 4
 
@@ -101,7 +100,7 @@ def test_sigint_saves_and_resume_continues_exactly(setup, tmp_path):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("stopped: SIGINT at step "), err[-3000:]
-    at = runs.checkpoint_step(latest_checkpoint(stopped))
+    at = runs.checkpoint_step(runs.latest_complete(stopped))
     assert 2 <= at < 12
     subprocess.run(_cli(ckpt, corpus, stopped, "--steps", "12", "--resume"), check=True, capture_output=True,
                    timeout=300, env=env)

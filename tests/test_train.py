@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -17,9 +18,9 @@ import torch
 
 import kimi
 import kimi.training
-from kimi import lora
+from kimi import lora, runs
 from kimi.params import tree_items
-from kimi.train_state import latest_checkpoint
+from kimi.train_state import read_checkpoint
 from kimi.training import loss_sum
 
 from helpers import rel_err, small_cfg, write_corpus
@@ -50,7 +51,7 @@ def config(ckpt, corpus, out, **kw) -> "train.TrainConfig":
 
 
 def state(out: Path) -> dict:
-    return torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
+    return read_checkpoint(runs.latest_complete(out))
 
 
 def losses(out: Path, key: str = "loss") -> list[float]:
@@ -176,31 +177,43 @@ def test_bad_data_is_a_one_line_error(setup, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- two processes
 
-def test_fsdp_two_processes_match_one(setup, tmp_path):
-    """torchrun with 2 CPU processes (gloo, FSDP2) and one process on the same global batch: same losses, same
-    updated weights."""
+def test_fsdp_two_processes_match_one_and_resume_at_either_count(setup, tmp_path):
+    """torchrun with 2 CPU processes (gloo, FSDP2) against one process on the same global batch: the 2-process run
+    stops after 2 of 4 steps (each process writes its DCP shards), then resumes once in 1 process and once in 2.
+    Both give the straight 1-process run's losses, gradient norms and final weights."""
     _, ckpt, corpus = setup
-    args = ["--model", str(ckpt), "--data.paths", str(corpus), "--data.seq-len", "32", "--steps", "2",
+    args = ["--model", str(ckpt), "--data.paths", str(corpus), "--data.seq-len", "32", "--steps", "4",
             "--batch-size", "4", "--micro-batch-size", "2", "--device", "cpu", "--warmup-steps", "1",
             "--log-every", "1", "--eval-every", "0", "--eval-rows", "2", "--ckpt-every", "0"]
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                         "OMP_NUM_THREADS": "1"}
-    one, two = tmp_path / "one", tmp_path / "two"
+
+    def torchrun(*extra):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            str(ROOT / "train.py"), *args, *extra], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    one, two, two_again = tmp_path / "one", tmp_path / "two", tmp_path / "two_again"
     train.main([*args, "--out", str(one)])
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(ROOT / "train.py"), *args, "--out", str(two)], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    la, lb = losses(one), losses(two)
-    assert len(la) == len(lb) == 2
-    assert all(abs(a - b) < 1e-5 * abs(a) for a, b in zip(la, lb)), (la, lb)
-    # AdamW hides a gradient scale error in the weights; the gradient norm does not
-    ga, gb = (grad_norms(one), grad_norms(two))
-    assert all(abs(a - b) < 1e-4 * a for a, b in zip(ga, gb)), (ga, gb)
-    _, pa = kimi.load_checkpoint(one / "model")
-    _, pb = kimi.load_checkpoint(two / "model")
+    torchrun("--out", str(two), "--stop-after", "2")
+    saved = read_checkpoint(runs.latest_complete(two))
+    assert saved["step"] == 2 and saved["world_size"] == 2
+    assert sorted(p.name for p in runs.latest_complete(two).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    shutil.copytree(two, two_again)
+    train.main([*args, "--out", str(two), "--resume"])                # 2 -> 1 process
+    torchrun("--out", str(two_again), "--resume")                     # 2 -> 2 processes
     _, p0 = kimi.load_checkpoint(ckpt)
     p0 = dict(tree_items(p0))
-    for (path, a), (_, b) in zip(tree_items(pa), tree_items(pb)):
-        moved = (a - p0[path]).norm()
-        assert (a - b).norm() <= 1e-4 * moved + 1e-7, path
+    _, pa = kimi.load_checkpoint(one / "model")
+    la, ga = losses(one), grad_norms(one)
+    assert len(la) == 4
+    for run in (two, two_again):
+        lb, gb = losses(run), grad_norms(run)
+        assert len(lb) == 4 and all(abs(a - b) < 1e-5 * abs(a) for a, b in zip(la, lb)), (run.name, la, lb)
+        # AdamW hides a gradient scale error in the weights; the gradient norm does not
+        assert all(abs(a - b) < 1e-4 * a for a, b in zip(ga, gb)), (run.name, ga, gb)
+        _, pb = kimi.load_checkpoint(run / "model")
+        for (path, a), (_, b) in zip(tree_items(pa), tree_items(pb)):
+            moved = (a - p0[path]).norm()
+            assert (a - b).norm() <= 1e-4 * moved + 1e-7, (run.name, path)
