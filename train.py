@@ -58,7 +58,7 @@ from kimi import runs
 from kimi.plot import plot_metrics
 from kimi.tokenizer import load_tokenizer
 from kimi.train_state import load_training_state, save_training_state
-from kimi.training import (adamw, compiled_loss, fp32_paths, loss_sum, lr_at, model_flops_per_token, peak_flops,
+from kimi.training import (adamw, fp32_paths, lr_at, make_loss, model_flops_per_token, peak_flops, recompute_wanted,
                            train_step, trainable_named)
 
 
@@ -141,6 +141,12 @@ class TrainConfig:
     """layers: `kimi.compile_layers`, one graph per distinct layer (compile time independent of depth); model: the
     model up to the head as one fullgraph (more fusion, compile time grows with depth). Several processes always
     compile per FSDP unit."""
+    activation_checkpointing: Literal["auto", "none", "layers"] = "auto"
+    """layers: recompute each decoder layer in the backward instead of keeping its activations
+    (`kimi.model.recomputed`; the indexer's selection and the router's choices are kept, not recomputed): about a
+    third more compute, the activation memory of one layer instead of all. auto: layers on a GPU when a
+    micro-batch's activations, gradients and optimizer state would not fit the free memory
+    (`kimi.training.recompute_wanted`), else none."""
     attn: Literal["auto", "eager", "sdpa", "gather"] = "auto"
     """Gated MLA's attention (`kimi.Backend.attn`); auto: 'gather' (from key ranges, nothing of size T×T) when every
     document fits in index_topk (dense attention, no indexer) or past 32,768 tokens, else SDPA with a dense mask."""
@@ -186,10 +192,11 @@ class TrainConfig:
 
 RESUME_MAY_CHANGE = frozenset({"steps", "stop_after", "log_every", "eval_every", "eval_rows", "ckpt_every",
                                "keep_checkpoints", "resume", "overwrite", "export", "plot_log_scale", "max_bad_steps",
-                               "out"})
-"""Settings a --resume may change: when and what is logged, evaluated, saved and exported, and how long the run
-goes (a longer --steps also stretches the learning-rate schedule from the resumed step on). Every other change
-would make the resumed run differ from the run it continues, and is refused."""
+                               "out", "activation_checkpointing"})
+"""Settings a --resume may change: when and what is logged, evaluated, saved and exported, how long the run goes
+(a longer --steps also stretches the learning-rate schedule from the resumed step on) and whether activations are
+recomputed (memory, not the math: eagerly the recompute is bit-identical). Every other change would make the
+resumed run differ from the run it continues, and is refused."""
 
 
 PRESETS: dict[str, tuple[str, TrainConfig]] = {
@@ -308,14 +315,17 @@ def train(cfg: TrainConfig) -> dict:
                    max_document_len=longest or None)
     named = trainable_named(params, adapters)
     n_params = sum(p.numel() for p in named.values())
+    recompute = cfg.activation_checkpointing == "layers" or (
+        cfg.activation_checkpointing == "auto" and recompute_wanted(model_cfg, cfg.micro_batch_size * cfg.data.seq_len,
+                                                                    device, trainable=-(-n_params // world)))
     root = None
     if world > 1:   # the FSDP root's call is the micro-batch loss; the optimizer steps its sharded leaves
-        root = build_fsdp(params, adapters, **step_kw, compile_units=use_compile)
+        root = build_fsdp(params, adapters, **step_kw, compile_units=use_compile, recompute=recompute)
         named = sharded_trainable_named(root)
         micro_loss = root
     else:
-        micro_loss = functools.partial(compiled_loss(cfg.compile_scope) if use_compile else loss_sum, params,
-                                       adapters, **step_kw)
+        micro_loss = functools.partial(make_loss(cfg.compile_scope if use_compile else None, recompute=recompute),
+                                       params, adapters, **step_kw)
     opt = adamw(named, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                 fused=device.type == "cuda")
     lr_of = functools.partial(lr_at, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
@@ -344,7 +354,7 @@ def train(cfg: TrainConfig) -> dict:
         f"{len(eval_rows)} eval rows of {cfg.data.seq_len} tokens, longest document {longest:,} | "
         f"{world} process(es) on {device}, "
         f"{str(compute).removeprefix('torch.')} compute, compile {'on' if use_compile else 'off'}, "
-        f"grad accumulation {accum}")
+        f"activation checkpointing {'layers' if recompute else 'none'}, grad accumulation {accum}")
 
     def record(m: dict) -> None:
         """One metrics.jsonl row, stamped with the wall-clock time (UTC) and the seconds since this run started."""

@@ -18,7 +18,7 @@ from . import lora, model
 from .config import Backend, ModelConfig
 from .ranges import KeyRanges
 from .loss import token_loss_sum
-from .model import compile_options, head_weight, layer_step
+from .model import compile_options, head_weight, layer_step, recomputed
 from .params import tree_items, unflatten
 from .training import cast_tree
 
@@ -54,11 +54,16 @@ class _Unit(nn.Module):
 
 
 class _Layer(_Unit):
-    """One decoder layer: `kimi.model.layer_step` on the gathered subtree."""
+    """One decoder layer: `kimi.model.layer_step` on the gathered subtree (its casts and adapters inside the
+    recomputed region with activation checkpointing, so they are not kept either)."""
 
     def forward(self, h: Tensor, R: list[Tensor], plan: tuple[str, bool, bool], ranges: KeyRanges, reset: Tensor):
         c = self.ctx
-        return layer_step(self.subtree(), h, list(R), plan, c["cfg"], c["backend"], ranges=ranges, reset=reset)
+        run = recomputed(self._step) if c["recompute"] else self._step
+        return run(None, h, list(R), plan, c["cfg"], c["backend"], ranges=ranges, reset=reset)
+
+    def _step(self, _, h, R, plan, cfg, backend, **kwargs):
+        return layer_step(self.subtree(), h, R, plan, cfg, backend, **kwargs)
 
 
 def _run_unit(unit: _Layer, h, R, plan, cfg, backend, *, ranges, reset, cache=None, step=None):
@@ -85,10 +90,12 @@ class _Root(_Unit):
 
 
 def build_fsdp(params, adapters: dict, *, cfg: ModelConfig, backend: Backend, dtype, fp32_paths: frozenset[str],
-               lora_scale: float, compile_units: bool, max_document_len: int | None = None) -> _Root:
+               lora_scale: float, compile_units: bool, max_document_len: int | None = None,
+               recompute: bool = False) -> _Root:
     """Shard the tree (and the adapters) over all processes: one FSDP2 unit per decoder layer, the root unit for the
     rest. Calling the root gives a micro-batch's summed loss, as `kimi.training.loss_sum` does in one process
-    (`max_document_len` as `kimi.forward` takes it)."""
+    (`max_document_len` as `kimi.forward` takes it). `recompute`: activation checkpointing of every layer unit
+    (`kimi.model.recomputed`)."""
     from torch.distributed.fsdp import fully_shard
 
     # A layer returns the attention-residual entries R, some of which are views; nothing here updates a unit's
@@ -96,7 +103,7 @@ def build_fsdp(params, adapters: dict, *, cfg: ModelConfig, backend: Backend, dt
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
     ctx = dict(cfg=cfg, backend=backend, dtype=dtype, fp32_paths=fp32_paths, lora_scale=lora_scale,
-               max_document_len=max_document_len)
+               max_document_len=max_document_len, recompute=recompute)
     flat = dict(tree_items(params))
     layers = []
     for i in range(len(params["model"]["layers"])):

@@ -20,6 +20,7 @@ document start.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -136,7 +137,32 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
                     max_document_len=max_document_len, cache=None, head=head, layer=layer)
 
 
-def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dict]]:
+def recomputed(layer: Callable = layer_step) -> Callable:
+    """`layer` (a `forward(layer=)` callable) with activation checkpointing: its activations are freed after the
+    forward and recomputed from the layer's inputs in the backward (`torch.utils.checkpoint`, non-reentrant), so a
+    training step holds one layer's activations at a time instead of every layer's
+    (docs/performance.md#activation-checkpointing). Selective: the outputs of the ops in `RECOMPUTE_KEEPS` (the indexer's selection, the router's
+    top-k) are saved, not recomputed, so the recomputed layer attends to the same keys and routes to the same
+    experts as the forward did, whatever the rounding of a recompiled recompute. Works eagerly, inside
+    `torch.compile` (the region becomes a checkpoint node the partitioner recomputes) and inside FSDP2 units."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in RECOMPUTE_KEEPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+
+    def run(p, h, R, plan, cfg, backend, **kwargs):
+        return checkpoint(layer, p, h, R, plan, cfg, backend, use_reentrant=False, context_fn=context, **kwargs)
+    return run
+
+
+RECOMPUTE_KEEPS = frozenset({torch.ops.kimi.indexer_topk.default, torch.ops.aten.topk.default})
+"""Ops whose outputs `recomputed` saves: selections (a hard top-k recomputed from slightly different rounding could
+pick other keys or experts than the forward did)."""
+
+
+def compile_layers(*, layer: Callable = layer_step, **compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dict]]:
     """`forward` with its decoder layers run through one `torch.compile`d `layer_step` (regional compilation).
 
     Layers with the same `layer_plan` share one compiled graph, so compile time grows with the number of distinct
@@ -145,12 +171,13 @@ def compile_layers(**compile_kwargs) -> Callable[..., Tensor | tuple[Tensor, dic
     the release's 93 layers compile 7 graphs, not one graph 93 layers long (docs/compile.md#regional; why not
     `torch.compiler.nested_compile_region`: docs/compile.md#nested-regions). Embedding, the output mix and the head
     run eagerly; the layer loop is Python.
-    `compile_kwargs` go to `torch.compile` (e.g. `dynamic=True`, `backend=...`). Same signature as `forward`.
+    `layer`: what is compiled (`layer_step`, or `recomputed()` for activation checkpointing); `compile_kwargs` go
+    to `torch.compile` (e.g. `dynamic=True`, `backend=...`). Same signature as `forward`.
     Raises Dynamo's per-function recompile limit so that every distinct layer gets its graph."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
                                                            1024)
-    compiled = torch.compile(layer_step, **compile_options(**compile_kwargs))
+    compiled = torch.compile(layer, **compile_options(**compile_kwargs))
 
     def layer(p, h, R, *args, **kwargs):
         if R.shape[0] >= 2:

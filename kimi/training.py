@@ -16,7 +16,7 @@ from torch import Tensor
 from . import lora, model
 from .config import Backend, ModelConfig
 from .loss import token_loss_sum
-from .model import compile_layers, compile_options, head_weight
+from .model import compile_layers, compile_options, head_weight, layer_step, recomputed
 from .params import param_count, param_specs, tree_items, tree_map
 
 # ---------------------------------------------------------------------------------------------- precision casts
@@ -127,16 +127,42 @@ def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: 
     return token_loss_sum(h, head, labels, keep_logits=keep_logits)
 
 
-def compiled_loss(scope: str, *, master_cast: bool = True):
-    """`loss_sum` with the model compiled: per distinct layer (`scope="layers"`; embedding and output mix eager, the
-    weight casts `compiled_cast`'s, or `cast_tree`'s without `master_cast`) or everything up to the head as one
-    fullgraph ("model"); the loss stays eager either way."""
-    if scope == "model":
-        hidden = torch.compile(hidden_states, **compile_options(fullgraph=True))
-    else:
-        hidden = functools.partial(hidden_states, forward=compile_layers(fullgraph=True),
+def make_loss(compile_scope: str | None = None, *, recompute: bool = False, master_cast: bool = True):
+    """`loss_sum` as train.py runs it in one process. `compile_scope`: None runs eagerly; "layers" compiles per
+    distinct layer (embedding and output mix eager, the weight casts `compiled_cast`'s, or `cast_tree`'s without
+    `master_cast`); "model" compiles everything up to the head as one fullgraph. The loss stays eager either way.
+    `recompute`: activation checkpointing, every decoder layer recomputed in the backward (`kimi.model.recomputed`)."""
+    layer = recomputed() if recompute else layer_step
+    forward = functools.partial(model.forward, layer=layer) if recompute else model.forward
+    if compile_scope is None:
+        hidden = functools.partial(hidden_states, forward=forward)
+    elif compile_scope == "model":
+        hidden = torch.compile(functools.partial(hidden_states, forward=forward), **compile_options(fullgraph=True))
+    elif compile_scope == "layers":
+        hidden = functools.partial(hidden_states, forward=compile_layers(layer=layer, fullgraph=True),
                                    cast=compiled_cast() if master_cast else cast_tree)
+    else:
+        raise ValueError(f"compile_scope must be None, 'layers' or 'model', got {compile_scope!r}")
     return functools.partial(loss_sum, hidden=hidden)
+
+
+ACTIVATION_BYTES = 220
+"""Bytes of saved activations per token, per decoder layer, per unit of `hidden_size`, of a bf16 training step
+without recomputation: measured on the H200 at the release's widths with every token routed to 8 experts
+(docs/performance.md#activation-checkpointing: 23.5 GiB for 1 × 4096 tokens and 4 layers). The release routes to
+16, so its true figure is higher; `recompute_wanted` leaves a margin."""
+
+
+def recompute_wanted(cfg: ModelConfig, tokens: int, device: torch.device, *, trainable: int) -> bool:
+    """Whether train.py's `--activation-checkpointing auto` recomputes: on a CUDA device, when a micro-batch of
+    `tokens` would not fit the memory free now (the model loaded, the optimizer state not yet allocated) with
+    ~10 % to spare: its activations (`ACTIVATION_BYTES` per token, layer and unit of width) plus 12 bytes for each
+    of this process's `trainable` parameters (the fp32 gradient and AdamW's two moments). Never on the CPU (its
+    memory is the host's, and CPU runs are small)."""
+    if device.type != "cuda":
+        return False
+    need = ACTIVATION_BYTES * tokens * cfg.num_hidden_layers * cfg.hidden_size + 12 * trainable
+    return need > 0.9 * torch.cuda.mem_get_info(device)[0]
 
 
 # ---------------------------------------------------------------------------------------------- the step

@@ -97,6 +97,19 @@ def test_resume_is_exact(setup, tmp_path):
             assert torch.equal(v, sb["optimizer"][name][k]), (name, k)
 
 
+def test_activation_checkpointing_gives_the_same_run(setup, tmp_path, capsys):
+    """--activation-checkpointing layers on a CPU (eager): the losses and gradient norms of the plain run, bit for
+    bit; the log says which was used."""
+    _, ckpt, corpus = setup
+    train.train(config(ckpt, corpus, tmp_path / "plain", steps=3, export=False))
+    assert "activation checkpointing none" in capsys.readouterr().out
+    train.train(config(ckpt, corpus, tmp_path / "recomputed", steps=3, export=False,
+                       activation_checkpointing="layers"))
+    assert "activation checkpointing layers" in capsys.readouterr().out
+    assert losses(tmp_path / "plain") == losses(tmp_path / "recomputed")
+    assert grad_norms(tmp_path / "plain") == grad_norms(tmp_path / "recomputed")
+
+
 def test_indexer_is_frozen(setup, tmp_path):
     cfg, ckpt, corpus = setup
     _, base = kimi.load_checkpoint(ckpt)

@@ -10,6 +10,8 @@
 #   bash tests/bench/gpu_all.sh train-2048                 # the same at 1 x 2048 (the SFT recipe's rows), 1 and 8
 #                                                          # micro-batches
 #   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
+#   bash tests/bench/gpu_all.sh recompute                  # activation checkpointing: 1 x 4096 without and with
+#   bash tests/bench/gpu_all.sh recompute-long             # with it: 1 x 8192, 1 x 16384
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
 #   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles)
 #   bash tests/bench/gpu_all.sh fsdp-fp32                  # fsdp-eager in fp32 without TF32: parity to rounding
@@ -50,10 +52,17 @@ for part in "$@"; do
                   run train-2048 560 python -W ignore tests/bench/train.py --seq 2048 --warmup 2 --steps 3 --accum 1 8 ;;
     train-chunk) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
                    run train-chunk 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk ;;
+    recompute|recompute-long)
+      if [ "$part" = recompute ]; then shapes=("--seq 4096" "--seq 4096 --recompute")
+      else shapes=("--seq 8192 --recompute" "--seq 16384 --recompute"); fi
+      for args in "${shapes[@]}"; do
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run "train${args//[^0-9a-z]/-}" 280 \
+          python -W ignore tests/bench/train.py --warmup 2 --steps 3 $args
+      done ;;
     fsdp) run fsdp 580 python -W ignore tests/bench/fsdp.py ;;
     fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
     fsdp-fp32) run fsdp-fp32 580 python -W ignore tests/bench/fsdp.py --compile off --dtype float32 --no-tf32 \
                  --steps 12 ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-chunk, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-chunk, recompute, recompute-long, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
   esac
 done

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the package of this checkout
 import kimi  # noqa: E402
 from kimi.config import scaled  # noqa: E402
-from kimi.training import (adamw, compiled_loss, fp32_paths, loss_sum, model_flops_per_token,  # noqa: E402
+from kimi.training import (adamw, fp32_paths, make_loss, model_flops_per_token,  # noqa: E402
                            peak_flops, train_step, trainable_named)
 
 
@@ -57,7 +57,7 @@ def bench(a) -> list[dict]:
     backend = kimi.Backend(attn=a.attn, kda=a.kda, moe=a.moe, mla_form=a.mla_form)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if a.tf32 else "highest")
-    fn = compiled_loss(a.compile_scope, master_cast=a.cast == "compiled") if use_compile else loss_sum
+    fn = make_loss(a.compile_scope if use_compile else None, recompute=a.recompute, master_cast=a.cast == "compiled")
     V, B, T = cfg.vocab_size, a.batch, a.seq
     ids = torch.randint(0, V, (B, T), device=device)
     labels = torch.roll(ids, -1, dims=1)
@@ -110,6 +110,7 @@ def bench(a) -> list[dict]:
         return dict(
             model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
                   f"attn={a.attn} kda={a.kda} moe={a.moe} cast={a.cast} tf32={'on' if a.tf32 else 'off'}"
+                  + (" recompute" if a.recompute else "")
                   + (f" docs of {doc_len}{'' if a.tell_lengths else ' (length not passed)'}" if a.doc_len else ""),
             params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
             shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}",
@@ -193,6 +194,9 @@ def main():
     ap.add_argument("--cast", default="compiled", choices=["compiled", "eager"],
                     help="compile scope 'layers': the weight casts as compiled calls (kimi.training.compiled_cast, "
                          "train.py's way) or eager")
+    ap.add_argument("--recompute", action="store_true",
+                    help="activation checkpointing: every decoder layer recomputed in the backward (train.py's "
+                         "--activation-checkpointing layers)")
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                     help="fp32 matmuls on TF32 tensor cores (train.py's --tf32)")
     ap.add_argument("--warmup", type=int, default=2)
