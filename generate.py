@@ -3,13 +3,16 @@
     python generate.py --checkpoint ckpt --prompt "Once upon a time"
     python generate.py --checkpoint ckpt --chat --prompt "What is 2+2?" --sampling.temperature 0
     python generate.py --checkpoint ckpt --prompts-file prompts.txt --max-new-tokens 64     # a batch, one per line
+    python generate.py --checkpoint ckpt --interactive                                     # a chat, turn by turn
 
 How it runs: the prompts are tokenized (the checkpoint's `tiktoken.model`, else bytes), left-padded into one batch
 and written into a preallocated cache (`kimi.init_cache`) by the prefill, optionally in chunks. Each decode step then
 feeds one token per row: KDA advances its recurrent state by one token, the indexer scores the new query against
 every cached index key and keeps the top-k, and sparse MLA attends over those cached latents. On a GPU the decode
 step is compiled per distinct layer and captured as one CUDA graph, and the prefill is compiled per distinct layer.
-The generation itself is `kimi.generation.generate`; this script reads the prompts and prints the tokens.
+The generation itself is `kimi.generation.generate`; this script reads the prompts and prints the tokens. With
+--interactive the turns come from stdin and one cache lives through the conversation (`kimi.generation.Conversation`):
+each turn prefills only its own tokens.
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ import torch
 from torch import Tensor
 
 import kimi
-from kimi.generation import DEFAULT_BACKEND, GenerateError, Result, Sampling, generate
-from kimi.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from kimi.generation import DEFAULT_BACKEND, Conversation, GenerateError, Result, Sampling, generate
+from kimi.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP, Tokenizer, TokenizerError, load_tokenizer
 
 
 @dataclasses.dataclass
 class Args:
-    """Generate from a Kimi checkpoint. Give --prompt, --prompts-file or --messages."""
+    """Generate from a Kimi checkpoint. Give --prompt, --prompts-file, --messages or --interactive."""
 
     checkpoint: Path | None = None
     """Checkpoint folder (config.json + safetensors; tiktoken.model if it has one)."""
@@ -47,6 +50,10 @@ class Args:
     """A JSON file with a list of chat messages ({"role": ..., "content": ...})."""
     chat: bool = False
     """Render each prompt as a user turn in the chat format (with a generation prompt)."""
+    interactive: bool = False
+    """Chat on stdin, one line a user turn (a literal \\n is a newline): the reply streams, the cache keeps the whole
+    conversation so each turn prefills only its own tokens. /reset starts over, /exit or Ctrl-D ends. The cache
+    holds --max-len tokens (default 16,384); a turn that does not fit is refused with a line, not an exit."""
     system: str | None = None
     """A system message for --chat."""
     thinking: bool = True
@@ -87,6 +94,8 @@ class Args:
 
 LONG_PROMPT = 8192
 """Prompts longer than this are prefilled in chunks of it by default, with a progress line after each."""
+CHAT_MAX_LEN = 16384
+"""--interactive's cache length unless --max-len is given."""
 
 
 def _read_prompts(a: Args, tok: Tokenizer) -> list[list[int]]:
@@ -144,7 +153,7 @@ def _read_prompts(a: Args, tok: Tokenizer) -> list[list[int]]:
     return prompts
 
 
-def run(a: Args, out=sys.stdout, err=sys.stderr) -> Result:
+def run(a: Args, out=sys.stdout, err=sys.stderr, inp=sys.stdin) -> Result | None:
     device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     if (a.checkpoint is None) == (a.preset is None):
@@ -158,16 +167,19 @@ def run(a: Args, out=sys.stdout, err=sys.stderr) -> Result:
     tok = load_tokenizer(a.checkpoint, cfg)
     print(f"loaded {kimi.param_count(cfg) / 1e6:.1f}M parameters ({dtype}, {device}) in "
           f"{time.perf_counter() - t:.1f} s; tokenizer: {type(tok).__name__}", file=err)
+    compile = a.compile if a.compile is not None else device.type == "cuda"
+    if a.interactive:
+        return chat(a, params, cfg, tok, compile, inp, out, err)
     prompts = _read_prompts(a, tok)
     if a.output is not None and a.output.exists():
         raise GenerateError(f"--output {a.output} exists; pass another path (nothing is overwritten)")
     longest = max(map(len, prompts))
+    _warn_context(cfg, a.max_len or longest + a.max_new_tokens - 1, err)
     chunk = a.prefill_chunk or (LONG_PROMPT if longest > LONG_PROMPT else None)
 
     def on_prefill(done: int, total: int, seconds: float) -> None:
         print(f"prefill: {done:,}/{total:,} tokens, {done / max(seconds, 1e-9):,.0f} tokens/s, "
               f"{seconds:.1f} s", file=err, flush=True)
-    compile = a.compile if a.compile is not None else device.type == "cuda"
     if compile:
         print("compiling: one graph per distinct layer for the prefill and the decode step, then the decode step is "
               "captured as a CUDA graph (minutes on a first run; Inductor's cache makes later runs faster; "
@@ -201,12 +213,83 @@ def run(a: Args, out=sys.stdout, err=sys.stderr) -> Result:
     return res
 
 
+def _warn_context(cfg: kimi.ModelConfig, tokens: int, err) -> None:
+    trained = cfg.max_position_embeddings
+    if trained is not None and tokens > trained:
+        print(f"warning: {tokens:,} tokens (prompt and generation, or the cache) exceed the {trained:,} the "
+              "checkpoint was trained for (max_position_embeddings); quality past it is unknown", file=err)
+
+
+def _closing(tok: Tokenizer, reply: list[int], opened: str) -> list[int]:
+    """The tokens that close a chat reply cut at --max-new-tokens (its open channel, the message, end of message),
+    so that the next turn follows a well-formed assistant message."""
+    text = f"{OPEN}{opened}{SEP}" + tok.decode(reply)
+    is_open = lambda ch: text.rfind(f"{OPEN}{ch}{SEP}") > text.rfind(f"{CLOSE}{ch}{SEP}")
+    tail = ""
+    if is_open("think"):
+        tail += f"{CLOSE}think{SEP}{OPEN}response{SEP}"
+    if is_open("think") or is_open("response"):
+        tail += f"{CLOSE}response{SEP}"
+    return tok.encode(tail + f"{CLOSE}message{SEP}{END_OF_MSG}", allow_special=True)
+
+
+def chat(a: Args, params: dict, cfg: kimi.ModelConfig, tok: Tokenizer, compile: bool, inp, out, err) -> Result | None:
+    """--interactive: read user turns from `inp` until EOF or /exit, stream each reply to `out`. Returns the last
+    turn's result (None if there was none)."""
+    if any(x is not None for x in (a.prompt, a.prompts_file, a.messages)) or a.output is not None:
+        raise GenerateError("--interactive reads the turns from stdin: drop --prompt, --prompts-file, --messages and "
+                            "--output")
+    max_len = a.max_len or CHAT_MAX_LEN
+    _warn_context(cfg, max_len, err)
+    conv = Conversation(params, cfg, max_len=max_len, sampling=a.sampling, backend=a.backend, compile=compile,
+                        stop_ids=() if a.ignore_stop else tuple(tok.stop_ids) + tuple(a.stop_ids),
+                        prefill_chunk=a.prefill_chunk or LONG_PROMPT)
+    opened = "think" if a.thinking else "response"
+    print(f"chat ({max_len:,}-token cache): type a message and press Enter; /reset starts over, /exit or Ctrl-D "
+          "ends", file=err)
+    res, first, pending = None, True, []
+    while True:
+        err.write("> ")
+        err.flush()
+        line = inp.readline()
+        text = line.rstrip("\r\n").replace("\\n", "\n")
+        if not line or text.strip() == "/exit":
+            break
+        if text.strip() == "/reset":
+            conv.reset()
+            first, pending = True, []
+            print("(a new conversation)", file=err)
+            continue
+        if not text.strip():
+            continue
+        msgs = ([{"role": "system", "content": a.system}] if first and a.system else []) + \
+            [{"role": "user", "content": text}]
+        ids = pending + tok.encode_chat(msgs, thinking=a.thinking, add_generation_prompt=True,
+                                        thinking_effort=a.thinking_effort if a.thinking and first else None)[0]
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            res = conv.reply(ids, max_new_tokens=a.max_new_tokens,
+                             on_token=lambda t: (out.write(decoder.decode(tok.decode_bytes(t.tolist()))), out.flush()))
+        except GenerateError as e:
+            print(f"error: {e}", file=err)
+            continue
+        out.write(decoder.decode(b"", final=True) + "\n")
+        out.flush()
+        first = False
+        pending = [] if res.stopped[0] else _closing(tok, res.tokens[0], opened)
+        print(f"({len(conv.tokens):,} of {max_len:,} tokens; {res.report().replace(chr(10), '; ')})", file=err)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     import tyro
 
     a = tyro.cli(Args, args=argv, description=__doc__)
     try:
         run(a)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     except (GenerateError, TokenizerError, kimi.CacheError, kimi.checkpoint.CheckpointError,
             FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

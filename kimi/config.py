@@ -103,6 +103,9 @@ class ModelConfig:
     """Only used by the indexer when `index_rope_dim > 0`; the MLA itself has no rotary."""
     dtype: str = "bfloat16"
     """The checkpoint's dtype; `init_params` / `load_checkpoint` use it when no dtype is given."""
+    max_position_embeddings: int | None = None
+    """The context the checkpoint was trained for (1,048,576 in the release). Informational: nothing positional
+    depends on it (K3 has no positional embedding); generate.py warns past it."""
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
@@ -112,6 +115,8 @@ class ModelConfig:
                         "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
                         "moe_layer_freq", "num_expert_group", "topk_group")
         L = self.num_hidden_layers
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be positive or null, got {self.max_position_embeddings}")
         if self.hidden_act != "situ":
             raise ValueError(f"hidden_act={self.hidden_act!r}: K3 uses 'situ' (SiTU-GLU); nothing else is implemented")
         if not self.mla_use_nope:
@@ -230,7 +235,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         la = d.pop("linear_attn_config")
         la["kda_layers"], la["full_attn_layers"] = list(la["kda_layers"]), list(la["full_attn_layers"])
-        d = {k: v for k, v in d.items() if not (k.startswith("index_") and v is None)}
+        d = {k: v for k, v in d.items() if not ((k.startswith("index_") or k == "max_position_embeddings") and v is None)}
         return {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], **d,
                 "linear_attn_config": la}
 
@@ -347,7 +352,7 @@ _K3 = dict(
     intermediate_size=33792, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
     v_head_dim=128, num_experts=896, num_experts_per_token=16, num_shared_experts=2, moe_intermediate_size=3072,
     routed_expert_hidden_size=3584, attn_res_block_size=12, bos_token_id=163584, eos_token_id=163586,
-    pad_token_id=163839,
+    pad_token_id=163839, max_position_embeddings=1048576,
     linear_attn_config=KDAConfig(num_heads=96, head_dim=128, kda_layers=_K3_KDA_LAYERS,
                                  full_attn_layers=_K3_FULL_LAYERS),
 )

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .cache import check_room, init_cache, left_pad
+from .cache import check_room, init_cache, left_pad, reset_cache
 from .config import Backend, ModelConfig
 from .model import compile_layers, forward
 
@@ -244,31 +244,58 @@ def generate(params: dict, cfg: ModelConfig, prompts: list[list[int]], *, max_ne
     gen = torch.Generator(device).manual_seed(sampling.seed)
     stops = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    chunk = prefill_chunk or T0
-    for c0 in range(0, T0, chunk):
-        logits = prefill(params, ids[:, c0:c0 + chunk], cache)
-        if on_prefill is not None:
-            sync()
-            on_prefill(min(c0 + chunk, T0), T0, time.perf_counter() - t0)
-    sync()
-    prefill_s = time.perf_counter() - t0
+    logits, prefill_s = _prefill(prefill, params, ids, cache, prefill_chunk, on_prefill)
 
-    B = len(prompts)
-    out = torch.empty(B, max_new_tokens, dtype=torch.int64, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
     seen = None
     if sampling.repetition_penalty != 1:     # each row's tokens so far: its prompt (not the left padding), then
         real = torch.arange(T0, device=device)[None, :] >= start.to(device)[:, None]      # what it generates
-        seen = torch.zeros(B, cfg.vocab_size + 1, dtype=torch.bool, device=device)
+        seen = torch.zeros(len(prompts), cfg.vocab_size + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, torch.where(real, ids, cfg.vocab_size), True)
         seen = seen[:, :cfg.vocab_size].contiguous()
+    out, steps_timed, first_steps_s, decode_s = _decode(params, cache, logits, decode, max_new_tokens, sampling,
+                                                        gen, stops, seen, on_token)
+    tokens, stopped = _cut_at_stops(out, stop_ids)
+    return Result(tokens=tokens, stopped=stopped, prompt_tokens=sum(map(len, prompts)), prefill_s=prefill_s,
+                  decode_s=decode_s, decode_steps=steps_timed, first_steps_s=first_steps_s, compiled=compile)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prefill(prefill: Callable, params: dict, ids: Tensor, cache: dict, chunk: int | None,
+             on_prefill: Callable[[int, int, float], None] | None) -> tuple[Tensor, float]:
+    """Write ids [B, T] into the cache, `chunk` tokens a call (default all), reporting to `on_prefill` after each.
+    Returns the last position's logits and the seconds taken."""
+    T = ids.shape[1]
+    t0 = time.perf_counter()
+    chunk = chunk or T
+    for c0 in range(0, T, chunk):
+        logits = prefill(params, ids[:, c0:c0 + chunk], cache)
+        if on_prefill is not None:
+            _sync(ids.device)
+            on_prefill(min(c0 + chunk, T), T, time.perf_counter() - t0)
+    _sync(ids.device)
+    return logits, time.perf_counter() - t0
+
+
+def _decode(params: dict, cache: dict, logits: Tensor, decode: Callable, max_new_tokens: int, sampling: Sampling,
+            gen: torch.Generator, stops: Tensor, seen: Tensor | None, on_token: Callable | None
+            ) -> tuple[Tensor, int, float, float]:
+    """Sample from `logits` [B, V], then one decode step per token until every row hit a stop id or
+    `max_new_tokens` were drawn (the last token drawn is not fed back). `seen` [B, V] bool (repetition penalty)
+    is updated in place. Returns (tokens [B, n], timed steps, seconds of the first two steps, seconds of the
+    rest)."""
+    device = logits.device
+    B = logits.shape[0]
+    out = torch.empty(B, max_new_tokens, dtype=torch.int64, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
     n = 0
     first_steps_s, t_decode = 0.0, time.perf_counter()
     for n in range(max_new_tokens):
         if n == 2:
-            sync()
+            _sync(device)
             first_steps_s, t_decode = time.perf_counter() - t_decode, time.perf_counter()
         nxt = sample(logits, sampling, gen, seen)
         if seen is not None:
@@ -280,15 +307,82 @@ def generate(params: dict, cfg: ModelConfig, prompts: list[list[int]], *, max_ne
         if n + 1 == max_new_tokens or bool(done.all()):
             break
         logits = decode(params, nxt[:, None].clone(), cache)
-    sync()
+    _sync(device)
     # decode calls were made at n' = 0 .. n-1; the first two are compile / graph capture, the rest are timed
     steps_timed = max(n - 2, 0)
     decode_s = time.perf_counter() - t_decode if steps_timed else 0.0
+    return out[:, :n + 1], steps_timed, first_steps_s, decode_s
+
+
+def _cut_at_stops(out: Tensor, stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[bool]]:
     tokens, stopped = [], []
     stop_set = set(stop_ids)
-    for row in out[:, :n + 1].tolist():
+    for row in out.tolist():
         cut = next((j for j, t in enumerate(row) if t in stop_set), None)
         tokens.append(row if cut is None else row[:cut + 1])
         stopped.append(cut is not None)
-    return Result(tokens=tokens, stopped=stopped, prompt_tokens=sum(map(len, prompts)), prefill_s=prefill_s,
-                  decode_s=decode_s, decode_steps=steps_timed, first_steps_s=first_steps_s, compiled=compile)
+    return tokens, stopped
+
+
+class Conversation:
+    """One row whose cache lives across turns (`generate.py --interactive`): `reply(ids)` prefills only the new
+    tokens, after everything already in the cache, then samples until a stop id; the reply stays in the cache, so
+    the next turn costs its own tokens, not the whole history again. The last token drawn is fed at the start of
+    the next turn (as `generate` never feeds it back). `reset()` empties the cache (the compiled steps and the
+    captured decode graph are kept)."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, *, max_len: int, sampling: Sampling = Sampling(),
+                 stop_ids: tuple[int, ...] = (), backend: Backend | None = None, compile: bool = False,
+                 prefill_chunk: int | None = None, steps: tuple[Callable, Callable] | None = None):
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise GenerateError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        emb = params["model"]["embed_tokens"]["weight"]
+        self.params, self.cfg, self.sampling, self.stop_ids = params, cfg, sampling, tuple(stop_ids)
+        self.device, self.prefill_chunk, self.compiled = emb.device, prefill_chunk, compile
+        self.cache = init_cache(cfg, 1, max_len, dtype=emb.dtype, device=emb.device)
+        self.prefill, self.decode = steps or make_steps(cfg, backend or DEFAULT_BACKEND, compile)
+        self.gen = torch.Generator(self.device).manual_seed(sampling.seed)
+        self.stops = torch.tensor(sorted(set(stop_ids)) or [-1], device=self.device)
+        self.tokens: list[int] = []      # the conversation as the model has seen it (fed or pending)
+        self.fed = 0                     # how many of them are in the cache
+
+    @property
+    def max_len(self) -> int:
+        return self.cache["max_len"]
+
+    def reset(self) -> None:
+        reset_cache(self.cache)
+        self.tokens, self.fed = [], 0
+
+    def reply(self, ids: list[int], *, max_new_tokens: int, on_token: Callable[[Tensor], None] | None = None,
+              on_prefill: Callable[[int, int, float], None] | None = None) -> Result:
+        """Append `ids` (a turn, e.g. a user message and the generation prompt) and sample up to `max_new_tokens`.
+        Raises `GenerateError` when the cache has no room for them (then nothing is written)."""
+        if not ids:
+            raise GenerateError("a turn needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise GenerateError(f"token id {bad[0]} is outside the model's vocabulary [0, {self.cfg.vocab_size})")
+        if max_new_tokens < 1:
+            raise GenerateError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        new = self.tokens[self.fed:] + list(ids)
+        if self.fed + len(new) + max_new_tokens - 1 > self.max_len:
+            raise GenerateError(f"the conversation is full: {len(self.tokens)} tokens so far, {len(ids)} new and up to "
+                                f"{max_new_tokens} to generate exceed the cache's {self.max_len} (/reset starts over; "
+                                "--max-len sets the cache)")
+        x = torch.tensor([new], dtype=torch.int64, device=self.device)
+        logits, prefill_s = _prefill(self.prefill, self.params, x, self.cache, self.prefill_chunk, on_prefill)
+        self.tokens += list(ids)
+        self.fed = len(self.tokens)
+        seen = None
+        if self.sampling.repetition_penalty != 1:
+            seen = torch.zeros(1, self.cfg.vocab_size, dtype=torch.bool, device=self.device)
+            seen[0, torch.tensor(self.tokens, device=self.device)] = True
+        out, steps_timed, first_steps_s, decode_s = _decode(self.params, self.cache, logits, self.decode,
+                                                            max_new_tokens, self.sampling, self.gen, self.stops, seen,
+                                                            on_token)
+        tokens, stopped = _cut_at_stops(out, self.stop_ids)
+        self.tokens += tokens[0]
+        self.fed = len(self.tokens) - 1                 # the last token drawn waits for the next turn
+        return Result(tokens=tokens, stopped=stopped, prompt_tokens=len(new), prefill_s=prefill_s, decode_s=decode_s,
+                      decode_steps=steps_timed, first_steps_s=first_steps_s, compiled=self.compiled)

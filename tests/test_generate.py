@@ -104,3 +104,62 @@ def test_cli_file_errors(ckpt, tmp_path, capsys):
         gen.run(gen.Args(checkpoint=ckpt, prompts_file=bad), io.StringIO(), io.StringIO())
     assert gen.main(["--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_cli_interactive_chat_through_stdin(ckpt):
+    """Turns from stdin: each reply streams on its own line, /reset starts a new conversation (its first turn is
+    the first turn's tokens again), a turn too long for the cache is one error line and the loop goes on, EOF
+    ends. Only the new turn is prefilled."""
+    tok = kimi.tokenizer.ByteTokenizer()
+    out, err = io.StringIO(), io.StringIO()
+    inp = io.StringIO("hello\n\nhow are you?\n" + "x" * 400 + "\n/reset\nhello\n")
+    gen.run(gen.Args(checkpoint=ckpt, interactive=True, thinking=False, max_new_tokens=3, max_len=420,
+                     sampling=gen.Sampling(temperature=0), ignore_stop=True), out, err, inp)
+    replies = out.getvalue().splitlines()
+    assert len(replies) == 3 and replies[0] == replies[2], replies
+    log = err.getvalue()
+    assert "the conversation is full" in log and "(a new conversation)" in log
+    turn = lambda text: tok.encode_chat([{"role": "user", "content": text}], thinking=False,
+                                        add_generation_prompt=True)[0]
+    closing = tok.encode(f"{gen.CLOSE}response{gen.SEP}{gen.CLOSE}message{gen.SEP}{gen.END_OF_MSG}",
+                         allow_special=True)     # the first reply was cut at 3 tokens: closed before turn 2
+    assert f"prefill: {len(turn('hello'))} tokens" in log
+    assert f"prefill: {1 + len(closing) + len(turn('how are you?'))} tokens" in log
+
+
+def test_cli_closes_a_cut_reply():
+    tok = kimi.tokenizer.ByteTokenizer()
+    close = lambda reply, opened: tok.decode(gen._closing(tok, tok.encode(reply, allow_special=True), opened))
+    end = f"{gen.CLOSE}message{gen.SEP}{gen.END_OF_MSG}"
+    assert close("still thinking", "think") == f"{gen.CLOSE}think{gen.SEP}{gen.OPEN}response{gen.SEP}" \
+                                               f"{gen.CLOSE}response{gen.SEP}{end}"
+    assert close(f"done{gen.CLOSE}think{gen.SEP}{gen.OPEN}response{gen.SEP}the ans", "think") == \
+        f"{gen.CLOSE}response{gen.SEP}{end}"
+    assert close("an answer", "response") == f"{gen.CLOSE}response{gen.SEP}{end}"
+
+
+def test_cli_warns_past_the_trained_context(tmp_path):
+    import dataclasses
+    path = tmp_path / "short"
+    cfg = dataclasses.replace(CFG, max_position_embeddings=8)
+    kimi.save_checkpoint(path, cfg, kimi.init_params(cfg, seed=0))
+    assert kimi.load_checkpoint(path)[0].max_position_embeddings == 8
+    err = io.StringIO()
+    gen.run(gen.Args(checkpoint=path, prompt="abc", max_new_tokens=4, ignore_stop=True, bos=False), io.StringIO(),
+            err)
+    assert "warning:" not in err.getvalue()
+    gen.run(gen.Args(checkpoint=path, prompt="abcdef", max_new_tokens=4, ignore_stop=True, bos=False),
+            io.StringIO(), err)
+    assert "warning: 9 tokens" in err.getvalue() and "trained for" in err.getvalue()
+
+
+def test_cli_interactive_process_ends_at_eof(ckpt):
+    """The real script on a pipe: one turn, then end of input (Ctrl-D at a terminal): exit 0, no traceback."""
+    import os
+    import subprocess
+    root = Path(__file__).parents[1]
+    r = subprocess.run([sys.executable, str(root / "generate.py"), "--checkpoint", str(ckpt), "--interactive",
+                        "--max-new-tokens", "2", "--no-thinking"], input="hi\n", capture_output=True, text=True,
+                       timeout=300, env=os.environ | {"PYTHONPATH": str(root)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(r.stdout.splitlines()) == 1 and r.stderr.count("> ") == 2

@@ -140,3 +140,25 @@ def test_compiled_steps_equal_eager():
     got = gen.generate(params, cfg, prompts, max_new_tokens=4, sampling=gen.Sampling(temperature=0), steps=steps,
                        compile=True, prefill_chunk=5, max_len=30)
     assert got.tokens == ref.tokens
+
+
+def test_conversation_keeps_its_cache_across_turns(params):
+    """Two turns through one cache: the second prefills only its own tokens (and the first reply's last token),
+    and its greedy reply is the one a fresh generation over the whole conversation gives. A turn that does not fit
+    is refused without touching the cache; reset starts over."""
+    conv = gen.Conversation(params, CFG, max_len=64, sampling=gen.Sampling(temperature=0))
+    first, second = torch.randint(0, 256, (9,)).tolist(), torch.randint(0, 256, (6,)).tolist()
+    r1 = conv.reply(first, max_new_tokens=4)
+    assert r1.prompt_tokens == 9 and conv.tokens == first + r1.tokens[0] and conv.fed == 12
+    r2 = conv.reply(second, max_new_tokens=5)
+    assert r2.prompt_tokens == 1 + 6
+    whole = first + r1.tokens[0] + second
+    assert gen.generate(params, CFG, [whole], max_new_tokens=5, sampling=gen.Sampling(temperature=0)).tokens == r2.tokens
+    assert is_greedy_without_cache(params, whole, r2.tokens[0])
+    before = (list(conv.tokens), int(conv.cache["pos"]))
+    with pytest.raises(gen.GenerateError, match="the conversation is full"):
+        conv.reply(torch.randint(0, 256, (40,)).tolist(), max_new_tokens=4)
+    assert (conv.tokens, int(conv.cache["pos"])) == before
+    conv.reset()
+    assert conv.tokens == [] and int(conv.cache["pos"]) == 0
+    assert conv.reply(first, max_new_tokens=4).tokens == r1.tokens      # the same start, the same reply
