@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import random
 import shutil
@@ -89,6 +88,18 @@ class LoRAConfig:
     """Adapter scale is alpha / rank."""
     targets: tuple[str, ...] = lora.ATTENTION_TARGETS
     """Module names to adapt (kimi/lora.py). Add gate_proj/up_proj/down_proj for MLPs, 'experts' for experts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    every: int = 10
+    """Print a progress line (loss, tokens/s, MFU, memory, ETA) every this many steps, and at the first and last.
+    Every step is written to `out`/metrics.jsonl."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard events to `out`/tensorboard (needs `pip install 'kimi[tensorboard]'`;
+    view with `tensorboard --logdir out`)."""
+    plot_log_scale: bool = False
+    """loss.png with a logarithmic loss axis (a long run's late progress stays visible)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,8 +175,8 @@ class TrainConfig:
     and the indexer's scores (its q·k products from bf16 values are exact in TF32; the head-weighted sum over ReLU'd
     fp32 products is rounded, so near-ties in the frozen top-k may flip). --no-tf32 keeps them full fp32."""
 
-    log_every: int = 10
-    """Print a progress line (loss, tokens/s, MFU, memory, ETA) every this many steps, and at the first and last."""
+    log: LogConfig = LogConfig()
+    """Progress lines, metrics and the loss plot."""
     eval_every: int = 50
     """Evaluate every this many steps and at the end (0: only at the end)."""
     eval_rows: int = 64
@@ -186,13 +197,11 @@ class TrainConfig:
     """Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)."""
     export: bool = True
     """Write the final model in the HF layout to `out`/model (LoRA merged)."""
-    plot_log_scale: bool = False
-    """loss.png with a logarithmic loss axis (a long run's late progress stays visible)."""
 
 
-RESUME_MAY_CHANGE = frozenset({"steps", "stop_after", "log_every", "eval_every", "eval_rows", "ckpt_every",
-                               "keep_checkpoints", "resume", "overwrite", "export", "plot_log_scale", "max_bad_steps",
-                               "out", "activation_checkpointing"})
+RESUME_MAY_CHANGE = frozenset({"steps", "stop_after", "log.every", "log.tensorboard", "log.plot_log_scale",
+                               "eval_every", "eval_rows", "ckpt_every", "keep_checkpoints", "resume", "overwrite",
+                               "export", "max_bad_steps", "out", "activation_checkpointing"})
 """Settings a --resume may change: when and what is logged, evaluated, saved and exported, how long the run goes
 (a longer --steps also stretches the learning-rate schedule from the resumed step on) and whether activations are
 recomputed (memory, not the math: eagerly the recompute is bit-identical). Every other change would make the
@@ -333,7 +342,6 @@ def train(cfg: TrainConfig) -> dict:
     sampler = Sampler(len(train_rows), cfg.seed)
 
     step, bad = 0, 0
-    metrics_path = out / "metrics.jsonl"
     if is_main:
         runs.claim(out, run_config, resume=cfg.resume, overwrite=cfg.overwrite)
     if world > 1:
@@ -342,10 +350,9 @@ def train(cfg: TrainConfig) -> dict:
         ckpt = runs.latest_complete(out)
         step, bad = load_training_state(ckpt, named, opt, sampler)
         log(f"resumed from {ckpt} at step {step}" + (f" (changed: {'; '.join(changes)})" if changes else ""))
-    if is_main:
-        kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= step] \
-            if cfg.resume and metrics_path.exists() else []
-        metrics_path.write_text("".join(ln + "\n" for ln in kept))
+    metrics = runs.Metrics(out, t0=t_run, tensorboard=cfg.log.tensorboard, resumed_at=step if cfg.resume else None,
+                           enabled=is_main)
+    record = metrics.record
 
     flops_tok = model_flops_per_token(model_cfg, cfg.data.seq_len)
     peak = peak_flops(device)
@@ -355,14 +362,6 @@ def train(cfg: TrainConfig) -> dict:
         f"{world} process(es) on {device}, "
         f"{str(compute).removeprefix('torch.')} compute, compile {'on' if use_compile else 'off'}, "
         f"activation checkpointing {'layers' if recompute else 'none'}, grad accumulation {accum}")
-
-    def record(m: dict) -> None:
-        """One metrics.jsonl row, stamped with the wall-clock time (UTC) and the seconds since this run started."""
-        if is_main:
-            stamp = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
-                     "elapsed_s": round(time.perf_counter() - t_run, 3)}
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m | stamp) + "\n")
 
     def evaluate() -> float | None:
         if len(eval_rows) == 0:
@@ -423,7 +422,7 @@ def train(cfg: TrainConfig) -> dict:
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
             m = {"step": step, "loss": loss, "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm}
-            if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
+            if step % cfg.log.every == 0 or step == cfg.steps or step == 1:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 now = time.perf_counter()
@@ -464,10 +463,12 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.export:
             export(out / "model", model_cfg, params, adapters, scale, root, source, is_main)
             log(f"exported the model to {out / 'model'}")
-    if is_main and metrics_path.exists():
-        plot_metrics(metrics_path, out / "loss.png", log_scale=cfg.plot_log_scale)
+    metrics.close()
+    if is_main and metrics.path.exists():
+        plot_metrics(metrics.path, out / "loss.png", log_scale=cfg.log.plot_log_scale)
         log(f"{tokens_run:,} tokens in {_fmt_time(wall)} ({summary['tokens_per_s']:,.0f} tok/s); metrics in "
-            f"{metrics_path}, curve in {out / 'loss.png'}")
+            f"{metrics.path}, curve in {out / 'loss.png'}"
+            + (f", TensorBoard events in {out / runs.TENSORBOARD_DIR}" if cfg.log.tensorboard else ""))
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -520,9 +521,13 @@ def _fmt_time(s: float) -> str:
 
 def _check(cfg: TrainConfig) -> None:
     problems = []
-    for name in ("steps", "batch_size", "micro_batch_size", "log_every", "max_bad_steps"):
+    for name in ("steps", "batch_size", "micro_batch_size", "max_bad_steps"):
         if getattr(cfg, name) <= 0:
             problems.append(f"{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.log.every <= 0:
+        problems.append(f"log.every must be positive, got {cfg.log.every}")
+    if cfg.log.tensorboard and runs.tensorboard_missing():
+        problems.append(runs.tensorboard_missing())
     if cfg.data.seq_len <= 0:
         problems.append(f"data.seq_len must be positive, got {cfg.data.seq_len}")
     if not 0 <= cfg.data.eval_fraction < 1:
@@ -556,7 +561,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv.pop(0) if argv and argv[0] in PRESETS else "tiny"
     presets = "\n".join(f"  {k}: {d}" for k, (d, _) in PRESETS.items())
-    cfg = tyro.cli(TrainConfig, default=PRESETS[name][1], args=argv, prog=f"train.py [PRESET]",
+    cfg = tyro.cli(TrainConfig, default=PRESETS[name][1], args=argv, prog="train.py [PRESET]",
                    description=f"Train or fine-tune Kimi K3.1 Pro (preset '{name}').\n\nPresets (first "
                                f"argument, default tiny):\n{presets}")
     return train(cfg)

@@ -3,7 +3,9 @@
 
     out/run.json        the resolved configuration, the versions of Python, torch and kimi, the start time
     out/ckpt-NNNNNN/    training checkpoints (kimi/train_state.py), rotated by step
-    out/metrics.jsonl, out/loss.png, out/model/
+    out/metrics.jsonl   one JSON row per step (and evaluation), stamped with the time and elapsed seconds
+    out/tensorboard/    the same scalars as TensorBoard event files, when asked for (`Metrics`)
+    out/loss.png, out/model/
 
 A new run into a folder that already holds a run stops (`RunFolderError`) unless it resumes that run or the caller
 asks to overwrite it; nothing of another run is ever deleted silently. Stale temporary checkpoint folders (left by
@@ -14,11 +16,13 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import platform
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +30,9 @@ import torch
 RUN_FILE = "run.json"
 STATE_FILE = "trainer.json"
 """The file a complete checkpoint folder holds (kimi/train_state.py writes it last, by renaming its folder)."""
-RUN_ENTRIES = (RUN_FILE, "metrics.jsonl", "loss.png", "model")
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+RUN_ENTRIES = (RUN_FILE, METRICS_FILE, TENSORBOARD_DIR, "loss.png", "model")
 """What a run writes besides its checkpoints (ckpt-*)."""
 
 
@@ -139,6 +145,58 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
     return out
+
+
+def tensorboard_missing() -> str | None:
+    """Why TensorBoard logging cannot run here (one sentence), or None when it can."""
+    if importlib.util.find_spec("tensorboard") is None:
+        return "TensorBoard logging needs the tensorboard package: pip install 'kimi[tensorboard]' (or tensorboard)"
+    return None
+
+
+def _summary_writer(folder: Path, purge_step: int | None):
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(log_dir=str(folder), purge_step=purge_step)
+
+
+class Metrics:
+    """A run's metrics: `record(row)` appends one JSON line to out/metrics.jsonl, stamped with the UTC time and the
+    seconds since `t0` (a `time.perf_counter()` value), and with `tensorboard` writes every number of the row as a
+    scalar at its "step" into out/tensorboard. A resumed run (`resumed_at`: its checkpoint's step) first drops the
+    rows past that step (steps the interrupted run took after its checkpoint are taken again), and TensorBoard
+    purges its events past it too. Only the main process writes (`enabled`)."""
+
+    def __init__(self, folder: Path, *, t0: float, tensorboard: bool = False, resumed_at: int | None = None,
+                 enabled: bool = True):
+        self.path, self.t0, self.enabled = Path(folder) / METRICS_FILE, t0, enabled
+        self.writer = None
+        if not enabled:
+            return
+        kept = []
+        if resumed_at is not None and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if json.loads(ln)["step"] <= resumed_at]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+        if tensorboard:
+            self.writer = _summary_writer(Path(folder) / TENSORBOARD_DIR,
+                                          None if resumed_at is None else resumed_at + 1)
+
+    def record(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        stamp = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                 "elapsed_s": round(time.perf_counter() - self.t0, 3)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row | stamp) + "\n")
+        if self.writer is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.writer.add_scalar(k, v, row["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 class Interrupted(Exception):

@@ -1,11 +1,13 @@
 """Run folders (kimi/runs.py, through train.py): a run never deletes or overwrites another run's files, --overwrite
 replaces one on request, --resume continues only the run the folder holds and with its own settings (bookkeeping
-may change), checkpoints rotate by step, stale temporary folders go, and every refusal is one line."""
+may change), checkpoints rotate by step, stale temporary folders go, and every refusal is one line; the metrics
+log (metrics.jsonl, TensorBoard)."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +80,7 @@ def test_a_refused_folder_is_a_one_line_error(setup, tmp_path):
 def _cli(ckpt, corpus, out, *extra):
     return [sys.executable, str(ROOT / "train.py"), "--model", str(ckpt), "--data.paths", str(corpus),
             "--data.seq-len", "32", "--batch-size", "2", "--micro-batch-size", "2", "--warmup-steps", "1",
-            "--log-every", "1", "--eval-every", "0", "--eval-rows", "2", "--ckpt-every", "0", "--device", "cpu",
+            "--log.every", "1", "--eval-every", "0", "--eval-rows", "2", "--ckpt-every", "0", "--device", "cpu",
             "--dtype", "float32", "--compile", "off", "--no-export", "--out", str(out), *extra]
 
 
@@ -144,3 +146,46 @@ def test_every_option_is_described():
     from helpers import undocumented_fields
     for cls in (train.TrainConfig, train.DataConfig, train.LoRAConfig):
         assert undocumented_fields(cls) == [], cls.__name__
+
+
+def test_metrics_rows_are_stamped_and_go_to_tensorboard(tmp_path, monkeypatch):
+    """Each row gets the UTC time and the elapsed seconds; with TensorBoard every number of the row is a scalar at
+    the row's step (a fake writer stands in for the optional package); a resumed run drops the rows past its
+    checkpoint and purges the events past it."""
+    import time
+    written = []
+
+    class FakeWriter:
+        def __init__(self, folder, purge_step):
+            written.append(("open", Path(folder).name, purge_step))
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            written.append(("close",))
+    monkeypatch.setattr(runs, "_summary_writer", FakeWriter)
+    m = runs.Metrics(tmp_path, t0=time.perf_counter() - 2.0, tensorboard=True)
+    for step in (1, 2, 3):
+        m.record({"step": step, "loss": 1.0 / step, "lr": 1e-3, "finite": True})
+    m.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["elapsed_s"] >= 2.0 for r in rows)
+    assert rows[0]["time"].endswith("+00:00")
+    assert written[0] == ("open", "tensorboard", None) and ("loss", 0.5, 2) in written and ("lr", 1e-3, 3) in written
+    assert not any(w[0] in ("step", "finite") for w in written) and written[-1] == ("close",)
+    written.clear()
+    runs.Metrics(tmp_path, t0=time.perf_counter(), tensorboard=True, resumed_at=2).close()
+    assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert written[0] == ("open", "tensorboard", 3)
+
+
+def test_tensorboard_without_the_package_is_a_one_line_error(setup, tmp_path, monkeypatch):
+    _, ckpt, corpus = setup
+    monkeypatch.setattr(runs, "tensorboard_missing", lambda: "TensorBoard logging needs the tensorboard package")
+    with pytest.raises(ValueError, match="needs the tensorboard package"):
+        train.train(config(ckpt, corpus, tmp_path / "run", log=train.LogConfig(tensorboard=True)))
+    assert not (tmp_path / "run").exists()

@@ -45,8 +45,8 @@ def setup(tmp_path):
 
 def config(ckpt, corpus, out, **kw) -> "train.TrainConfig":
     base = dict(model=str(ckpt), out=str(out), data=train.DataConfig(paths=(str(corpus),), seq_len=32),
-                steps=4, batch_size=2, micro_batch_size=2, lr=3e-3, warmup_steps=1, log_every=1, eval_every=0,
-                eval_rows=2, ckpt_every=0, device="cpu", dtype="float32", compile="off")
+                steps=4, batch_size=2, micro_batch_size=2, lr=3e-3, warmup_steps=1, log=train.LogConfig(every=1),
+                eval_every=0, eval_rows=2, ckpt_every=0, device="cpu", dtype="float32", compile="off")
     return train.TrainConfig(**(base | kw))
 
 
@@ -197,7 +197,7 @@ def test_fsdp_two_processes_match_one_and_resume_at_either_count(setup, tmp_path
     _, ckpt, corpus = setup
     args = ["--model", str(ckpt), "--data.paths", str(corpus), "--data.seq-len", "32", "--steps", "4",
             "--batch-size", "4", "--micro-batch-size", "2", "--device", "cpu", "--warmup-steps", "1",
-            "--log-every", "1", "--eval-every", "0", "--eval-rows", "2", "--ckpt-every", "0"]
+            "--log.every", "1", "--eval-every", "0", "--eval-rows", "2", "--ckpt-every", "0"]
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                         "OMP_NUM_THREADS": "1"}
 

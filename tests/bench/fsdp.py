@@ -31,7 +31,7 @@ def run(out: Path, nproc: int, a) -> list[dict]:
     args = [str(ROOT / "train.py"), "--model", a.model, "--out", str(out), "--steps", str(a.steps),
             "--lr", str(a.lr), "--warmup-steps", "2", "--batch-size", str(a.batch_size),
             "--micro-batch-size", str(a.micro_batch_size), "--data.seq-len", str(a.seq_len),
-            "--log-every", "1", "--eval-every", "0", "--ckpt-every", "0", "--no-export", "--device", a.device,
+            "--log.every", "1", "--eval-every", "0", "--ckpt-every", "0", "--no-export", "--device", a.device,
             "--compile", a.compile, "--dtype", a.dtype, "--tf32" if a.tf32 else "--no-tf32"]
     cmd = [sys.executable, *args] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
