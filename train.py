@@ -430,12 +430,14 @@ def train(cfg: TrainConfig) -> dict:
                 m["tokens_per_s"] = tps
                 if peak:
                     m["mfu"] = tps * flops_tok / (peak * world)
-                m["peak_memory_gib"] = peak_memory_gib(device)
+                m["peak_memory_gib"], m["host_memory_gib"] = peak_memory_gib(device), host_memory_gib()
                 # The ETA leaves out this run's first step (compilation, warm-up): it is the pace since then.
                 eta = "…" if steps_run == 1 else _fmt_time((now - t_first) / (steps_run - 1) * (cfg.steps - step))
                 mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
                 log(f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | lr {m['lr']:.2e} | grad norm {gnorm:.3f} | "
-                    f"{tps:,.0f} tok/s{mfu} | {m['peak_memory_gib']:.1f} GiB | ETA {eta}")
+                    f"{tps:,.0f} tok/s{mfu} | {m['peak_memory_gib']:.1f} GiB"
+                    + (f" GPU, {m['host_memory_gib']:.1f} GiB host" if device.type == "cuda" else "")
+                    + f" | ETA {eta}")
                 t_log, tokens_log = now, 0
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 eval_loss = evaluate()
@@ -508,9 +510,14 @@ def export(folder: Path, model_cfg: ModelConfig, params, adapters, scale: float,
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """The process's peak memory so far: allocated on the GPU, resident on the CPU (ru_maxrss, KiB on Linux)."""
+    """The process's peak memory so far on `device`: allocated on the GPU, resident on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    return host_memory_gib()
+
+
+def host_memory_gib() -> float:
+    """The process's peak resident host memory (ru_maxrss, KiB on Linux)."""
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
