@@ -158,7 +158,7 @@ class TrainConfig:
     third more compute, the activation memory of one layer instead of all. auto: layers on a GPU when a
     micro-batch's activations, gradients and optimizer state would not fit the free memory
     (`kimi.training.recompute_wanted`), else none."""
-    attn: Literal["auto", "eager", "sdpa", "gather"] = "auto"
+    attn: Literal["auto", "eager", "sdpa", "gather", "triton"] = "auto"
     """Gated MLA's attention (`kimi.Backend.attn`); auto: 'gather' (from key ranges, nothing of size T×T) when every
     document fits in index_topk (dense attention, no indexer) or past 32,768 tokens, else SDPA with a dense mask."""
     kda: Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"] = "auto"

@@ -242,7 +242,7 @@ class ModelConfig:
 
 # ---------------------------------------------------------------------------------------------- Backend
 
-AttnBackend = Literal["auto", "eager", "sdpa", "gather"]
+AttnBackend = Literal["auto", "eager", "sdpa", "gather", "triton"]
 MLAForm = Literal["auto", "expanded", "absorbed"]
 KDABackend = Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"]
 MoEBackend = Literal["auto", "dense", "grouped", "gemv"]
@@ -258,7 +258,9 @@ class Backend:
     """Gated MLA's attention over the selected keys: 'eager' (fp32 softmax over a dense keep-mask; the reference),
     'sdpa' (`F.scaled_dot_product_attention` with the same mask; expanded form only) or 'gather' (from per-query key
     ranges with nothing of size T×S: blocked indexer top-k, attention over the gathered latents in the absorbed
-    form; documents of at most index_topk tokens run as dense document-causal attention without the indexer).
+    form; documents of at most index_topk tokens run as dense document-causal attention without the indexer) or
+    'triton' (the 'gather' path with the attention over the selected latents in Triton kernels, 96 heads native;
+    a CUDA device, or the interpreter).
     'auto' picks 'gather' past 32,768 keys without a cache, for short documents, and for caches of more than
     8,192 slots (docs/architecture.md#backends)."""
     mla_form: MLAForm = "auto"
@@ -277,9 +279,9 @@ class Backend:
         for name, allowed in _BACKEND_CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Backend.{name}={getattr(self, name)!r}: expected one of {allowed}")
-        if self.attn == "gather" and self.mla_form == "expanded":
-            raise ValueError("Backend(attn='gather', mla_form='expanded'): the gathering path attends over the shared "
-                             "latent (the absorbed form); use mla_form='auto' or 'absorbed'")
+        if self.attn in ("gather", "triton") and self.mla_form == "expanded":
+            raise ValueError(f"Backend(attn={self.attn!r}, mla_form='expanded'): the gathering path attends over the "
+                             "shared latent (the absorbed form); use mla_form='auto' or 'absorbed'")
         if self.attn == "sdpa" and self.mla_form == "absorbed":
             raise ValueError("Backend(attn='sdpa', mla_form='absorbed'): SDPA has no shared-latent form (it would "
                              "copy the 576-wide latent to every head); use attn='eager' or 'auto' with the absorbed "

@@ -15,11 +15,17 @@ from kimi.ranges import document_ranges
 FORMS = sorted(IMPLEMENTATIONS["attn"])   # (attn, mla_form)
 
 
+def precision(attn: str) -> tuple[torch.dtype, float]:
+    """The dtype a form is checked in and its tolerance against the float64 oracle: the Triton kernels run fp32
+    (their own tests: test_sparse_mla_triton.py), the references float64."""
+    return (torch.float32, 1e-5) if attn == "triton" else (torch.float64, 1e-12)
+
+
 def sparse_mla(q, c, k_pe, kv_b, doc, idx, *, scale, form, span=None, block=4):
     """One implementation on packed documents doc [B, T]: the dense-mask references get the mask, the range-based
     ones the ranges (queries in blocks of `block`)."""
     r = document_ranges(doc, span)
-    if form[0] == "gather":
+    if form[0] in ("gather", "triton"):
         return IMPLEMENTATIONS["attn"][form](q, torch.cat([c, k_pe], -1), kv_b, r.lo, r.hi, idx, scale=scale,
                                              span=r.span, causal=True, block=block)
     return IMPLEMENTATIONS["attn"][form](q, c, k_pe, kv_b, r.mask(doc.shape[1]), idx, scale=scale)
@@ -57,13 +63,15 @@ def _oracle(q, c, k_pe, kv_b, keep, cfg):
 def test_sparse_attention_matches_loop_oracle(attn, form):
     cfg = tiny()
     doc = torch.tensor([[0] * 5 + [1] * 9, [2] * 11 + [-1] * 3])
-    q, c, k_pe, kv_b = _inputs(cfg, 2, 14, torch.float64)
+    dtype, tol = precision(attn)
+    q, c, k_pe, kv_b = _inputs(cfg, 2, 14, dtype)
     idx = topk_reference(torch.randn(2, 14, 14, dtype=torch.float64), visible_of(doc), 4)
     out = sparse_mla(q, c, k_pe, kv_b, doc, idx, scale=cfg.softmax_scale, form=(attn, form))
-    ref = _oracle(q, c, k_pe, kv_b, select_visible(visible_of(doc), idx), cfg)
-    assert rel_err(out, ref) < 1e-12
+    wide = [t.double() for t in (q, c, k_pe, kv_b)]
+    ref = _oracle(*wide, select_visible(visible_of(doc), idx), cfg)
+    assert rel_err(out, ref) < tol
     dense = sparse_mla(q, c, k_pe, kv_b, doc, None, scale=cfg.softmax_scale, form=(attn, form))
-    assert rel_err(dense, _oracle(q, c, k_pe, kv_b, visible_of(doc), cfg)) < 1e-12
+    assert rel_err(dense, _oracle(*wide, visible_of(doc), cfg)) < tol
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
@@ -74,7 +82,7 @@ def test_absorbed_equals_expanded_with_gradients(dtype, tol):
     base = _inputs(cfg, 1, 17, dtype)
     weight = torch.randn(1, 17, cfg.num_attention_heads, cfg.v_head_dim, dtype=dtype)
     results = []
-    for attn, form in FORMS:
+    for attn, form in [f for f in FORMS if dtype != torch.float64 or f[0] != "triton"]:
         inputs = [t.clone().requires_grad_() for t in base]
         out = sparse_mla(*inputs, doc, idx, scale=cfg.softmax_scale, form=(attn, form))
         (out * weight).sum().backward()
@@ -90,20 +98,22 @@ def test_absorbed_equals_expanded_with_gradients(dtype, tol):
 @given(lens=st.lists(st.integers(1, 9), min_size=1, max_size=3), attn_form=st.sampled_from(FORMS))
 def test_full_selection_equals_dense_and_future_keys_never_leak(lens, attn_form):
     attn, form = attn_form
+    dtype, tol = precision(attn)
+    tol /= 10
     cfg = tiny()
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
     T = doc.shape[1]
-    q, c, k_pe, kv_b = _inputs(cfg, 1, T, torch.float64)
+    q, c, k_pe, kv_b = _inputs(cfg, 1, T, dtype)
     dense = sparse_mla(q, c, k_pe, kv_b, doc, None, scale=cfg.softmax_scale, form=(attn, form))
     full = topk_reference(torch.randn(1, T, T), visible_of(doc), T)            # every visible key selected
-    assert rel_err(sparse_mla(q, c, k_pe, kv_b, doc, full, scale=cfg.softmax_scale, form=(attn, form)), dense) < 1e-13
+    assert rel_err(sparse_mla(q, c, k_pe, kv_b, doc, full, scale=cfg.softmax_scale, form=(attn, form)), dense) < tol
     everything = torch.arange(T, dtype=torch.int32).expand(1, T, T)             # a selection holding future keys
     leaked = sparse_mla(q, c, k_pe, kv_b, doc, everything, scale=cfg.softmax_scale, form=(attn, form))
-    assert rel_err(leaked, dense) < 1e-13
+    assert rel_err(leaked, dense) < tol
     # The dense path's key window: documents of at most max(lens) tokens need no key before t - max(lens) + 1.
     banded = sparse_mla(q, c, k_pe, kv_b, doc, None, scale=cfg.softmax_scale, form=(attn, form), span=max(lens),
                         block=2)
-    assert rel_err(banded, dense) < 1e-13
+    assert rel_err(banded, dense) < tol
 
 
 @pytest.mark.parametrize("attn,form", FORMS)

@@ -11,9 +11,11 @@ layer module.
 |                           |                                        | kda_chunk_triton, kda_states, kda_step        |
 | lightning_index.py        | indexer scores and top-k, from ranges  | indexer_topk (blocked over queries)           |
 | sparse_attention.py       | attention over the selected keys       | sparse_mla_eager, _sdpa, _absorbed (dense     |
-|                           |                                        | masks); sparse_mla_gathered (from ranges) on  |
+| (+ sparse_mla_triton.py)  |                                        | masks); sparse_mla_gathered (from ranges) on  |
 |                           |                                        | sparse_mla_gather (+_bwd), the blocked        |
-|                           |                                        | reference of the sparse kernels' contract     |
+|                           |                                        | reference of the sparse kernels' contract;    |
+|                           |                                        | sparse_mla_triton_ranges on sparse_mla_triton |
+|                           |                                        | (+_bwd), that contract in Triton              |
 | experts.py (+ _triton)    | routed experts, grouped matmuls        | moe_experts_dense, _grouped, _gemv,           |
 |                           |                                        | grouped_mm, moe_gemv                          |
 
@@ -44,6 +46,7 @@ IMPLEMENTATIONS: dict[str, dict] = {
         ("eager", "absorbed"): torch.ops.kimi.sparse_mla_absorbed.default,
         # from ranges, nothing of size T×S: (q, latent, kv_b, lo, hi, topk_idx, *, scale, span, causal, block)
         ("gather", "absorbed"): torch.ops.kimi.sparse_mla_gathered.default,
+        ("triton", "absorbed"): torch.ops.kimi.sparse_mla_triton_ranges.default,
     },
     "moe": {
         "dense": torch.ops.kimi.moe_experts_dense.default,
@@ -82,7 +85,7 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
       (`every_candidate`: documents no longer than index_topk, or no indexer); with a cache for more than 8,192
       keys or `DENSE_MASK_MAX_PAIRS_CACHED` (query, key) pairs; unless mla_form='expanded' is asked for.
       Otherwise 'sdpa' for the expanded form and 'eager' for the absorbed one.
-    - mla_form: 'absorbed' for attn='gather' and with a decode cache (attention over the cached 576-wide latents,
+    - mla_form: 'absorbed' for attn='gather' or 'triton' and with a decode cache (attention over the cached 576-wide latents,
       nothing re-expanded), 'expanded' without one (or with attn='sdpa').
     - moe: 'gemv' for at most `GEMV_MAX_TOKENS` tokens on a CUDA device with Triton; 'grouped' for
       float32/bfloat16; 'dense' otherwise.
@@ -104,7 +107,7 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
             dense = keys <= DENSE_MASK_MAX_KEYS and not every_candidate
         attn = attn if dense else "gather"
     if form == "auto":
-        form = "absorbed" if attn == "gather" or (cached and attn != "sdpa") else "expanded"
+        form = "absorbed" if attn in ("gather", "triton") or (cached and attn != "sdpa") else "expanded"
     if attn == "auto":
         attn = "eager" if form == "absorbed" else "sdpa"
     moe = backend.moe
@@ -154,7 +157,7 @@ def sparse_mla(q: Tensor, latent: Tensor, kv_b: Tensor, ranges: KeyRanges, topk_
     b = resolve(backend, device=q.device, dtype=q.dtype, cached=not ranges.causal, queries=q.shape[1], keys=S,
                 every_candidate=topk_idx is None)
     fn = IMPLEMENTATIONS["attn"][b.attn, b.mla_form]
-    if b.attn == "gather":
+    if b.attn in ("gather", "triton"):
         return fn(q, latent, kv_b, ranges.lo, ranges.hi, topk_idx, scale=scale, span=ranges.span,
                   causal=ranges.causal, block=QUERY_BLOCK)
     return fn(q, latent[..., :R], latent[..., R:], kv_b, ranges.mask(S), topk_idx, scale=scale)

@@ -18,7 +18,8 @@ give exactly 0 and zero gradient, never NaN.
 Below them, nothing of size T×S: `sparse_mla_gather` (+ `_bwd`), the contract of the sparse kernels (the absorbed
 form over gathered latents, queries in blocks, with the LSE), and `sparse_mla_gathered`, the layer's path
 `Backend(attn="gather")` built on it from per-query key ranges (`kimi/ranges.py`), with `dense_mla_ranges` for
-the calls where every candidate is attended.
+the calls where every candidate is attended. `sparse_mla_triton` (+ `_bwd`) is the same contract as Triton kernels
+(kimi/ops/sparse_mla_triton.py), and `sparse_mla_triton_ranges` the layer's path `Backend(attn="triton")` on it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch import Tensor
 
 from ..common import compute_dtype
 from ..ranges import KeyRanges, range_mask
-from .registry import traceable
+from . import sparse_mla_triton as kernels
+from .registry import traceable, triton_available
 
 
 def select_visible(visible: Tensor, topk_idx: Tensor | None) -> Tensor:
@@ -283,11 +285,18 @@ def sparse_mla_gathered(q: Tensor, latent: Tensor, kv_b: Tensor, lo: Tensor, hi:
     effective weight enters both W_UK and W_UV) -> o [B, T, H, d_v] in q's dtype."""
     if topk_idx is None:
         return dense_mla_ranges(q, latent, kv_b, KeyRanges(lo, hi, span, causal), scale=scale, block=block)
+    return _selected(q, latent, kv_b, lo, hi, topk_idx, scale, torch.ops.kimi.sparse_mla_gather)
+
+
+def _selected(q: Tensor, latent: Tensor, kv_b: Tensor, lo: Tensor, hi: Tensor, topk_idx: Tensor, scale: float,
+              attend) -> Tensor:
+    """The absorbed form over a selection intersected with the ranges, `attend` an op of
+    `sparse_mla_gather`'s contract."""
     R = kv_b.shape[1]
     d_r = latent.shape[-1] - R
     inside = (topk_idx >= lo[..., None]) & (topk_idx < hi[..., None])
     topk_idx = torch.where(inside, topk_idx, -1)
-    o_lat, _ = torch.ops.kimi.sparse_mla_gather(absorb_query(q, kv_b, d_r), latent, topk_idx, scale=scale, d_v=R)
+    o_lat, _ = attend(absorb_query(q, kv_b, d_r), latent, topk_idx, scale=scale, d_v=R)
     return unabsorb_output(o_lat, kv_b, q.shape[-1] - d_r)
 
 
@@ -327,3 +336,64 @@ def _blocks(T, block: int) -> list[tuple[int, int]]:
 
 traceable("sparse_mla_gathered(Tensor q, Tensor latent, Tensor kv_b, Tensor lo, Tensor hi, Tensor? topk_idx, *, "
           "float scale, SymInt span, bool causal, int block=1024) -> Tensor", sparse_mla_gathered)
+
+
+# ---------------------------------------------------------------------------------------------- Triton kernels
+
+@torch.library.custom_op("kimi::sparse_mla_triton", mutates_args=())
+def sparse_mla_triton(q: Tensor, latent: Tensor, indices: Tensor, *, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+    """`sparse_mla_gather`'s contract as Triton kernels (`kernels.sparse_mla_fwd_triton`: 96 heads in tiles of 32,
+    the decode path split over the selected keys); bf16, fp16 or fp32 q and latent."""
+    if not triton_available(q.device):
+        raise RuntimeError("sparse_mla_triton needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
+    return kernels.sparse_mla_fwd_triton(q, latent, indices, scale=scale, d_v=d_v)
+
+
+@sparse_mla_triton.register_fake
+def _(q, latent, indices, *, scale, d_v):
+    return q.new_empty(*q.shape[:3], d_v), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("kimi::sparse_mla_triton_bwd", mutates_args=())
+def sparse_mla_triton_bwd(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                          dlse: Tensor | None, *, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+    """(dq, dlatent) of `sparse_mla_triton` (`kernels.sparse_mla_bwd_triton`: dlatent accumulated in fp32 by
+    atomics)."""
+    return kernels.sparse_mla_bwd_triton(q, latent, indices, o, lse, do, dlse, scale=scale, d_v=d_v)
+
+
+@sparse_mla_triton_bwd.register_fake
+def _(q, latent, indices, o, lse, do, dlse, *, scale, d_v):
+    return q.new_empty(q.shape), latent.new_empty(latent.shape)
+
+
+def _triton_setup(ctx, inputs, keyword_only_inputs, output):
+    q, latent, indices = inputs
+    o, lse = output
+    ctx.save_for_backward(q, latent, indices, o, lse)
+    ctx.kw = dict(keyword_only_inputs)
+
+
+def _triton_backward(ctx, do, dlse):
+    q, latent, indices, o, lse = ctx.saved_tensors
+    do = torch.zeros_like(o) if do is None else do.contiguous()
+    dq, dlat = sparse_mla_triton_bwd(q, latent, indices, o, lse, do, dlse, **ctx.kw)
+    return dq, dlat, None
+
+
+sparse_mla_triton.register_autograd(_triton_backward, setup_context=_triton_setup)
+
+
+def sparse_mla_triton_ranges(q: Tensor, latent: Tensor, kv_b: Tensor, lo: Tensor, hi: Tensor,
+                             topk_idx: Tensor | None, *, scale: float, span: int, causal: bool,
+                             block: int = 1024) -> Tensor:
+    """`sparse_mla_gathered` with the attention over the selection in the Triton kernels: `Backend(attn="triton")`,
+    the op `kimi::sparse_mla_triton_ranges` (same signature). Without a selection (every candidate attended) it is
+    `dense_mla_ranges`, as on the 'gather' path."""
+    if topk_idx is None:
+        return dense_mla_ranges(q, latent, kv_b, KeyRanges(lo, hi, span, causal), scale=scale, block=block)
+    return _selected(q, latent, kv_b, lo, hi, topk_idx, scale, torch.ops.kimi.sparse_mla_triton)
+
+
+traceable("sparse_mla_triton_ranges(Tensor q, Tensor latent, Tensor kv_b, Tensor lo, Tensor hi, Tensor? topk_idx, *, "
+          "float scale, SymInt span, bool causal, int block=1024) -> Tensor", sparse_mla_triton_ranges)

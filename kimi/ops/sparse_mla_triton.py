@@ -1,0 +1,579 @@
+"""Triton kernels of the sparse attention contract `kimi::sparse_mla_gather` (+ `_bwd`), the absorbed latent form
+(docs/numerics.md#sparse-attention-contract), beside their reference in `sparse_attention.py`.
+
+    z[t, h, j] = σ q[t, h] · latent[idx[t, j]]     over the slots j with idx[t, j] >= 0
+    o[t, h]    = Σ_j softmax_j(z) latent[idx[t, j], :d_v],    lse[t, h] = log Σ_j e^z  (natural log, fp32)
+
+q [B, T, H, D], latent [B, S, D] (one head shared by all query heads), indices int32 [B, T, k]. The latent
+columns split into the values [0, d_v) and the tail [d_v, D) (the rope part: 512 + 64 in the release); both
+enter the scores, only the values the output. Widths are kernel parameters, padded to powers of two (16 at least)
+and masked, so the tests run narrow latents through the interpreter.
+
+**Forward** (`_fwd_kernel`). One program per (query, head tile[, value block][, key split]). It loads its head
+tile's query once and walks the query's index row 64 (`block_k`) slots at a time: the slots' latent rows
+are gathered by pointer arithmetic (Hopper has no TMA gather; the loads pipeline as cp.async), scores are two
+dots (values and tail), and an online softmax in base 2 (σ·log2 e folded into one factor) rescales a
+[heads, d_v] fp32 accumulator. Slots past the row's last valid index are never visited (one pass over the index
+row first), so the short causal rows of a prefill cost what they hold. The output is divided once at the end.
+A row without a valid index gives o = 0 and lse = −inf, as the reference's `logsumexp` does.
+
+Heads: Triton block dims are powers of two, so 96 heads run as tiles that cover them exactly: three 32-head tiles
+in one launch (the default), or a 64-head and a 32-head launch. Every head tile gathers the query's rows again
+(mostly from L2: the tiles of one query are neighbours in the grid), so per query the gathered traffic is
+(tiles × k × D × 2 B): 3 × 2.4 MB at k = 2048 in bf16 for 32-head tiles, 2 × for 64 + 32, against
+2·H·k·(D + d_v) = 0.43 GFLOP. Wider tiles read less but hold a [heads, 512] fp32 accumulator (64 × 512 is 128
+registers a thread at 8 warps); `split_v` > 1 gives each program 512 / split_v value columns instead, each
+recomputing the full 576-wide scores (split_v = 2: 1.5× the FLOPs, half the accumulator).
+
+**Decode** (`splits` > 1). With few queries (T = 1..4, batch 1..32) the programs above do not fill the GPU, so
+the index row is split into `splits` key ranges; each writes a normalized partial output and its LSE in fp32, and
+`_merge_kernel` combines them (weights e^{lse_i − lse}). Splits are chosen from the shapes alone and nothing is
+read back to the host, so the launch can be captured in a CUDA graph.
+
+**Backward**, two kernels, so that neither holds both gradients:
+
+- `_bwd_dq_kernel`, per (query, head tile), the forward's tiling: recompute p = 2^{s·σ log2 e − lse log2 e}
+  from the saved LSE, Δ = Σ_v do ⊙ o − dlse (computed here and saved for the next kernel), dp = do·vᵀ,
+  ds = σ p ⊙ (dp − Δ); dq += ds·kv over the key blocks, written once in q's dtype.
+- `_bwd_dkv_kernel`, per (query, block of `dkv_block_k` slots): gathers its latent rows once and loops over all
+  heads in tiles, recomputing s, p, dp, ds, and accumulating dkv = dsᵀ q + pᵀ do (values) in fp32 for the whole
+  head range; then one fp32 atomic add per element into a [B, S, D] fp32 buffer (rounded to the latent's dtype
+  at the end). Summing all 96 heads before the atomics cuts them 3× against per-head-tile atomics; the price is
+  s and dp computed in both kernels (1.4× the FLOPs of a fused backward: 2·(4·D + 3·d_v) per (head, slot)
+  against 2·(3·D + 2·d_v)) and q, do re-read per key block (L2). `fused_dkv=True` is the other side of that
+  trade: the dq kernel adds its head tile's dkv atomically every step and the dkv kernel does not run.
+- `deterministic=True`: the dkv kernel writes each (query, slot)'s row to an fp32 buffer instead (queries in
+  chunks of at most 2^28 elements, as the reference's blocks), the chunk's slots are sorted by key (stable), and
+  `_dkv_reduce_kernel` (one program per latent row) sums its run in that fixed order and adds it to the row;
+  chunks run in order. Bitwise reproducible, at twice the dkv memory traffic plus a sort per chunk.
+
+Precision: fp32 accumulation everywhere. bf16 (fp16) inputs go to the tensor cores as they are; p and ds are
+rounded to the input dtype before their second dot (as every flash kernel does), which is most of the ~1e-3
+difference from the fp32 reference. fp32 inputs run IEEE fp32 dots (parity tests), as do bf16 inputs under the
+interpreter, whose 16-bit dot is wrong (triton 3.9). Offsets are formed in 64 bits (indices widened first).
+Indices outside [0, S) count as empty slots (the reference would raise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import Tensor
+
+from .registry import interpreted, tl, triton, triton_available
+
+LOG2E = 1.4426950408889634
+DKV_CHUNK_ELEMENTS = 1 << 28
+"""The deterministic backward's per-slot buffer holds at most this many fp32 elements (1 GiB) at a time."""
+
+if triton is not None:
+    @triton.jit
+    def _mm(a, b, acc, F32: tl.constexpr):
+        """acc + a @ b: in IEEE fp32 when F32 (fp32 inputs, or 16-bit ones under the interpreter), else on the
+        tensor cores in the inputs' dtype."""
+        if F32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
+    def _key_end(idx_row, k_lo, k_hi, S, IB: tl.constexpr):
+        """One past the last slot of [k_lo, k_hi) holding a valid index (k_lo when none holds one)."""
+        best = tl.zeros([IB], tl.int32)
+        for c0 in range(k_lo, k_hi, IB):
+            sl = c0 + tl.arange(0, IB)
+            ix = tl.load(idx_row + sl, mask=sl < k_hi, other=-1)
+            best = tl.maximum(best, tl.where((ix >= 0) & (ix < S), sl + 1, 0))
+        return tl.maximum(tl.max(best, 0), k_lo)
+
+    @triton.jit
+    def _gather_rows(b, idx_row, k0, k_end, S, D, BK: tl.constexpr):
+        """The slots [k0, k0 + BK) of batch row b: validity [BK] and the 64-bit offsets of their latent rows in
+        [B, S, D] (row 0 for empty slots)."""
+        slot = k0 + tl.arange(0, BK)
+        ix = tl.load(idx_row + slot, mask=slot < k_end, other=-1)
+        valid = (ix >= 0) & (ix < S)
+        return valid, (b * S + tl.where(valid, ix, 0).to(tl.int64)) * D
+
+    @triton.jit
+    def _fwd_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, R, T, S, H, K, D, DV, h_start, NT, NS, KS, scale2,
+                    BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, DTP: tl.constexpr,
+                    IB: tl.constexpr, F32: tl.constexpr):
+        # program -> (row = b·T + t, key split, value block, head tile), head tile fastest: the tiles of one query
+        # run side by side and share its gathered rows through L2
+        pid = tl.program_id(0).to(tl.int64)
+        tile = pid % NT
+        rest = pid // NT
+        vb = rest % NV
+        rest = rest // NV
+        split = rest % NS
+        row = rest // NS
+        h = h_start + tile * BH + tl.arange(0, BH)
+        hm = h < H
+        q_row = q_ptr + (row * H + h) * D
+        idx_row = idx_ptr + row * K
+        cv = vb * BV + tl.arange(0, BV)                 # this program's value columns
+        ct = DV + tl.arange(0, DTP)                     # the tail (rope) columns
+        q_t = tl.load(q_row[:, None] + ct[None, :], mask=hm[:, None] & (ct[None, :] < D), other=0.0)
+        q_v = tl.load(q_row[:, None] + cv[None, :], mask=hm[:, None] & (cv[None, :] < DV), other=0.0)
+        k_lo = (split * KS).to(tl.int32)
+        k_end = _key_end(idx_row, k_lo, tl.minimum(k_lo + KS, K), S, IB)
+        m = tl.full([BH], float("-inf"), tl.float32)
+        l = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, BV], tl.float32)
+        for k0 in range(k_lo, k_end, BK):
+            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
+            kv_row = lat_ptr + kv_off
+            kv_t = tl.load(kv_row[:, None] + ct[None, :], mask=valid[:, None] & (ct[None, :] < D), other=0.0)
+            kv_v = tl.load(kv_row[:, None] + cv[None, :], mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
+            s = _mm(q_t, tl.trans(kv_t), tl.zeros([BH, BK], tl.float32), F32)
+            if NV == 1:
+                s = _mm(q_v, tl.trans(kv_v), s, F32)
+            else:   # the other programs' value columns enter the scores too (re-read, mostly from L1)
+                for j in tl.static_range(NV):
+                    cj = j * BV + tl.arange(0, BV)
+                    qj = tl.load(q_row[:, None] + cj[None, :], mask=hm[:, None] & (cj[None, :] < DV), other=0.0)
+                    kj = tl.load(kv_row[:, None] + cj[None, :], mask=valid[:, None] & (cj[None, :] < DV),
+                                 other=0.0)
+                    s = _mm(qj, tl.trans(kj), s, F32)
+            s = tl.where(valid[None, :], s * scale2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # no key yet: keep every term finite
+            alpha = tl.exp2(m - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = _mm(p.to(kv_v.dtype), kv_v, acc * alpha[:, None], F32)
+            m = m_new
+        ok = l > 0
+        l = tl.where(ok, l, 1.0)
+        o = acc * tl.where(ok, 1.0 / l, 0.0)[:, None]
+        lse = tl.where(ok, (m + tl.log2(l)) * 0.6931471805599453, float("-inf"))
+        out = split * R + row                           # = row without key splits
+        o_ptrs = o_ptr + ((out * H + h) * DV)[:, None] + cv[None, :]
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None] & (cv[None, :] < DV))
+        tl.store(lse_ptr + out * H + h, lse, mask=h + vb * H < H)           # value block 0 writes it
+
+    @triton.jit
+    def _merge_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, RH, NS, DV, NSP: tl.constexpr, BC: tl.constexpr,
+                      NC: tl.constexpr):
+        # one program per (row, head): the splits' normalized partials weighted by e^{lse_i − lse}
+        r = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, NSP).to(tl.int64)
+        jm = j < NS
+        lj = tl.load(lp_ptr + j * RH + r, mask=jm, other=float("-inf"))
+        mx = tl.max(lj, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp(lj - mx)
+        tot = tl.sum(w, 0)
+        ok = tot > 0
+        tot = tl.where(ok, tot, 1.0)
+        w = w * tl.where(ok, 1.0 / tot, 0.0)
+        for c in tl.static_range(NC):
+            cc = c * BC + tl.arange(0, BC)
+            part = tl.load(op_ptr + (j * RH + r)[:, None] * DV + cc[None, :], mask=jm[:, None] & (cc[None, :] < DV),
+                           other=0.0)
+            tl.store(o_ptr + r * DV + cc, tl.sum(part * w[:, None], 0).to(o_ptr.dtype.element_ty), mask=cc < DV)
+        tl.store(lse_ptr + r, tl.where(ok, mx + tl.log(tot), float("-inf")))
+
+    @triton.jit
+    def _bwd_dq_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr, T, S,
+                       H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr, BK: tl.constexpr, DVP: tl.constexpr,
+                       DTP: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr, FUSED: tl.constexpr,
+                       F32: tl.constexpr):
+        # FUSED: also this head tile's share of dlatent, added atomically every step (no dkv kernel)
+        pid = tl.program_id(0).to(tl.int64)
+        tile = pid % NT
+        row = pid // NT
+        h = h_start + tile * BH + tl.arange(0, BH)
+        hm = h < H
+        qh = row * H + h
+        idx_row = idx_ptr + row * K
+        cv = tl.arange(0, DVP)
+        ct = DV + tl.arange(0, DTP)
+        m_v = hm[:, None] & (cv[None, :] < DV)
+        m_t = hm[:, None] & (ct[None, :] < D)
+        q_v = tl.load(q_ptr + (qh * D)[:, None] + cv[None, :], mask=m_v, other=0.0)
+        q_t = tl.load(q_ptr + (qh * D)[:, None] + ct[None, :], mask=m_t, other=0.0)
+        do = tl.load(do_ptr + (qh * DV)[:, None] + cv[None, :], mask=m_v, other=0.0)
+        o = tl.load(o_ptr + (qh * DV)[:, None] + cv[None, :], mask=m_v, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        if HAS_DLSE:
+            delta -= tl.load(dlse_ptr + qh, mask=hm, other=0.0).to(tl.float32)
+        tl.store(delta_ptr + qh, delta, mask=hm)
+        lse = tl.load(lse_ptr + qh, mask=hm, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        dq_v = tl.zeros([BH, DVP], tl.float32)
+        dq_t = tl.zeros([BH, DTP], tl.float32)
+        k_end = _key_end(idx_row, 0, K, S, IB)
+        for k0 in range(0, k_end, BK):
+            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
+            kv_row = lat_ptr + kv_off
+            kv_v = tl.load(kv_row[:, None] + cv[None, :], mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
+            kv_t = tl.load(kv_row[:, None] + ct[None, :], mask=valid[:, None] & (ct[None, :] < D), other=0.0)
+            s = _mm(q_v, tl.trans(kv_v), _mm(q_t, tl.trans(kv_t), tl.zeros([BH, BK], tl.float32), F32), F32)
+            keep = valid[None, :] & hm[:, None]
+            p = tl.where(keep, tl.exp2(s * scale2 - lse2[:, None]), 0.0)
+            dp = _mm(do, tl.trans(kv_v), tl.zeros([BH, BK], tl.float32), F32)
+            ds = (p * (dp - delta[:, None]) * scale).to(kv_v.dtype)
+            dq_v = _mm(ds, kv_v, dq_v, F32)
+            dq_t = _mm(ds, kv_t, dq_t, F32)
+            if FUSED:
+                ds_t = tl.trans(ds)
+                dkv_v = _mm(tl.trans(p).to(kv_v.dtype), do, _mm(ds_t, q_v, tl.zeros([BK, DVP], tl.float32), F32), F32)
+                dkv_t = _mm(ds_t, q_t, tl.zeros([BK, DTP], tl.float32), F32)
+                dst = dlat_ptr + kv_off[:, None]
+                tl.atomic_add(dst + cv[None, :], dkv_v, mask=valid[:, None] & (cv[None, :] < DV), sem="relaxed")
+                tl.atomic_add(dst + ct[None, :], dkv_t, mask=valid[:, None] & (ct[None, :] < D), sem="relaxed")
+        tl.store(dq_ptr + (qh * D)[:, None] + cv[None, :], dq_v.to(dq_ptr.dtype.element_ty), mask=m_v)
+        tl.store(dq_ptr + (qh * D)[:, None] + ct[None, :], dq_t.to(dq_ptr.dtype.element_ty), mask=m_t)
+
+    @triton.jit
+    def _bwd_dkv_kernel(q_ptr, lat_ptr, idx_ptr, lse_ptr, do_ptr, delta_ptr, out_ptr, row0, NKB, T, S, H, K, D, DV,
+                        scale, scale2, BK: tl.constexpr, BH: tl.constexpr, DVP: tl.constexpr, DTP: tl.constexpr,
+                        ATOMIC: tl.constexpr, F32: tl.constexpr):
+        # program -> (row = row0 + local, key block), key block fastest: the programs of one query share its q, do
+        local = tl.program_id(0).to(tl.int64)
+        kb = local % NKB
+        local = local // NKB
+        row = row0 + local
+        b = row // T
+        slot = kb * BK + tl.arange(0, BK)
+        ix = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
+        valid = (ix >= 0) & (ix < S)
+        key = b * S + tl.where(valid, ix, 0).to(tl.int64)
+        cv = tl.arange(0, DVP)
+        ct = DV + tl.arange(0, DTP)
+        m_v = valid[:, None] & (cv[None, :] < DV)
+        m_t = valid[:, None] & (ct[None, :] < D)
+        kv_v = tl.load(lat_ptr + (key * D)[:, None] + cv[None, :], mask=m_v, other=0.0)
+        kv_t = tl.load(lat_ptr + (key * D)[:, None] + ct[None, :], mask=m_t, other=0.0)
+        acc_v = tl.zeros([BK, DVP], tl.float32)
+        acc_t = tl.zeros([BK, DTP], tl.float32)
+        heads = tl.where(tl.max(valid.to(tl.int32), 0) > 0, H, 0)   # a block of empty slots skips the work
+        for h0 in range(0, heads, BH):
+            h = h0 + tl.arange(0, BH)
+            hm = h < H
+            qh = row * H + h
+            q_v = tl.load(q_ptr + (qh * D)[:, None] + cv[None, :], mask=hm[:, None] & (cv[None, :] < DV), other=0.0)
+            q_t = tl.load(q_ptr + (qh * D)[:, None] + ct[None, :], mask=hm[:, None] & (ct[None, :] < D), other=0.0)
+            do = tl.load(do_ptr + (qh * DV)[:, None] + cv[None, :], mask=hm[:, None] & (cv[None, :] < DV),
+                         other=0.0)
+            lse = tl.load(lse_ptr + qh, mask=hm, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+            delta = tl.load(delta_ptr + qh, mask=hm, other=0.0)
+            s = _mm(q_v, tl.trans(kv_v), _mm(q_t, tl.trans(kv_t), tl.zeros([BH, BK], tl.float32), F32), F32)
+            p = tl.where(valid[None, :] & hm[:, None], tl.exp2(s * scale2 - lse2[:, None]), 0.0)
+            dp = _mm(do, tl.trans(kv_v), tl.zeros([BH, BK], tl.float32), F32)
+            ds_t = tl.trans(p * (dp - delta[:, None]) * scale).to(kv_v.dtype)     # [BK, BH]
+            acc_v = _mm(tl.trans(p).to(kv_v.dtype), do, _mm(ds_t, q_v, acc_v, F32), F32)
+            acc_t = _mm(ds_t, q_t, acc_t, F32)
+        if ATOMIC:
+            tl.atomic_add(out_ptr + (key * D)[:, None] + cv[None, :], acc_v, mask=m_v, sem="relaxed")
+            tl.atomic_add(out_ptr + (key * D)[:, None] + ct[None, :], acc_t, mask=m_t, sem="relaxed")
+        else:   # this chunk's row of the (query, slot) buffer
+            e = local * K + slot
+            tl.store(out_ptr + (e * D)[:, None] + cv[None, :], acc_v, mask=m_v)
+            tl.store(out_ptr + (e * D)[:, None] + ct[None, :], acc_t, mask=m_t)
+
+    @triton.jit
+    def _dkv_reduce_kernel(part_ptr, order_ptr, starts_ptr, ends_ptr, dlat_ptr, D, BR: tl.constexpr,
+                           BC: tl.constexpr):
+        # program -> (latent row b·S + s, column block): its run of this chunk's sorted slots, summed in order
+        key = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        start = tl.load(starts_ptr + key)
+        end = tl.load(ends_ptr + key)
+        acc = tl.zeros([BC], tl.float32)
+        for j0 in range(start, end, BR):
+            j = j0 + tl.arange(0, BR)
+            jm = j < end
+            src = tl.load(order_ptr + j, mask=jm, other=0)
+            acc += tl.sum(tl.load(part_ptr + (src * D)[:, None] + c[None, :], mask=jm[:, None] & (c[None, :] < D),
+                                  other=0.0), 0)
+        cm = c < tl.where(end > start, D, 0)     # rows this chunk did not select are left alone (a vector
+        dst = dlat_ptr + key * D + c             # compare: the interpreter rejects a scalar mask in `&`)
+        tl.store(dst, tl.load(dst, mask=cm, other=0.0) + acc, mask=cm)
+
+
+# ---------------------------------------------------------------------------------------------- launch configs
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    heads: tuple[int, ...]
+    """Head tiles in order (powers of two >= 16) covering H; runs of equal tiles share one launch."""
+    block_k: int = 64
+    """Index slots (gathered latent rows) per step."""
+    split_v: int = 1
+    """Programs per (query, head tile), each owning d_v / split_v value columns and recomputing the scores (a
+    64-head tile split so takes 32 slots a step, or one stage: 64 slots in two stages exceed an H200's shared
+    memory)."""
+    splits: int = 1
+    """Key ranges of each index row (decode), merged by `_merge_kernel`."""
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    heads: tuple[int, ...]
+    """Head tiles of the dq kernel."""
+    block_k: int = 32
+    """Slots per step of the dq kernel."""
+    dkv_block_k: int = 32
+    """Slots per program of the dkv kernel (its fp32 accumulator is dkv_block_k × D)."""
+    dkv_block_h: int = 32
+    """Heads per step of the dkv kernel's loop over all heads (64 needs more shared memory than an H200 has at
+    576 / 512 widths: q and do are staged in two layouts each)."""
+    fused_dkv: bool = False
+    """The dq kernel adds each head tile's dlatent share atomically instead (no dkv kernel: 1/1.4 the FLOPs,
+    as many atomics as head tiles); ignored when deterministic."""
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def head_tiles(H: int, widest: int) -> tuple[int, ...]:
+    """Power-of-two tiles (16 to `widest`) covering H heads, the last one shrunk to the rest: 96 -> (32, 32, 32)
+    for widest 32, (64, 32) for 64; 3 -> (16,) (masked)."""
+    tiles, left = [], H
+    while left > 0:
+        t = widest
+        while t > 16 and t // 2 >= left:
+            t //= 2
+        tiles.append(t)
+        left -= t
+    return tuple(tiles)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
+               dtype: torch.dtype = torch.bfloat16) -> FwdConfig:
+    """The forward's launch for a shape. 16-bit: 32-head tiles (96 heads: three, no padding; the [32, 512] fp32
+    accumulator is 64 registers a thread at 8 warps), 64 slots a step in two stages (two [64, 576] bf16 tiles of
+    gathered rows, 144 KB, fit beside q), the value columns whole. fp32 (the parity path; its IEEE dots run on FMA
+    units with fp32 operands staged in shared memory): 16-head tiles, 32 slots, one stage. Key splits when the
+    (query, head tile) programs would not fill the GPU twice over, each split at least two steps long."""
+    if dtype == torch.float32:
+        cfg = FwdConfig(heads=head_tiles(H, 16), block_k=32, num_stages=1)
+    else:
+        cfg = FwdConfig(heads=head_tiles(H, 32), block_k=32 if k <= 32 else 64)
+    programs = B * T * len(cfg.heads)
+    target = 2 * _sm_count(device)
+    if 0 < programs < target and k > 2 * cfg.block_k:
+        want = triton.next_power_of_2(triton.cdiv(target, programs))
+        cfg = dataclasses.replace(cfg, splits=max(1, min(want, 16, k // (2 * cfg.block_k))))
+    return cfg
+
+
+def bwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
+               dtype: torch.dtype = torch.bfloat16) -> BwdConfig:
+    """The backward's launch for a shape. 16-bit: the dq kernel in 32-head tiles, 32 slots a step (its [32, 576]
+    fp32 dq is 72 registers a thread at 8 warps; 64 slots would add shared memory and spills); the dkv kernel 32
+    slots a program (a [32, 576] fp32 accumulator: 64 slots would spill heavily, 16 would double the re-reads of
+    q and do, 2·H·(D + d_v) bytes per program) and 32 heads a step. fp32: 16 everywhere, one stage."""
+    if dtype == torch.float32:
+        return BwdConfig(heads=head_tiles(H, 16), block_k=16, dkv_block_k=16, dkv_block_h=16, num_stages=1)
+    return BwdConfig(heads=head_tiles(H, 32), block_k=32)
+
+
+# ---------------------------------------------------------------------------------------------- entries
+
+def _check(name: str, q: Tensor, latent: Tensor, indices: Tensor, d_v: int, **more: Tensor | None):
+    if q.dim() != 4 or latent.dim() != 3 or indices.dim() != 3:
+        raise ValueError(f"{name}: expected q [B, T, H, D], latent [B, S, D], indices [B, T, k], got "
+                         f"{list(q.shape)}, {list(latent.shape)}, {list(indices.shape)}")
+    B, T, H, D = q.shape
+    if latent.shape[0] != B or latent.shape[2] != D or tuple(indices.shape[:2]) != (B, T):
+        raise ValueError(f"{name}: shapes disagree: q {list(q.shape)}, latent {list(latent.shape)}, indices "
+                         f"{list(indices.shape)} (q [B, T, H, D], latent [B, S, D], indices [B, T, k])")
+    if not 0 < d_v <= D:
+        raise ValueError(f"{name}: d_v={d_v} must be in 1..D={D} (the values are the latent's first d_v columns)")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"{name}: indices must be int32, got {indices.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or latent.dtype != q.dtype:
+        raise ValueError(f"{name}: q and latent must share a bfloat16/float16/float32 dtype, got {q.dtype}, "
+                         f"{latent.dtype}; the float64 reference is `sparse_mla_gather`")
+    want = dict(o=(B, T, H, d_v), do=(B, T, H, d_v), lse=(B, T, H), dlse=(B, T, H))
+    for n, t in more.items():
+        if t is not None and tuple(t.shape) != want[n]:
+            raise ValueError(f"{name}: {n} has shape {list(t.shape)}, expected {list(want[n])}")
+    tensors = dict(q=q, latent=latent, indices=indices, **{n: t for n, t in more.items() if t is not None})
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1 or not triton_available(next(iter(devices))):
+        raise RuntimeError(f"{name} needs Triton and its tensors on one CUDA device (or TRITON_INTERPRET=1), got "
+                           f"{ {n: str(t.device) for n, t in tensors.items()} }")
+
+
+def _widths(D: int, d_v: int) -> tuple[int, int]:
+    pow2 = triton.next_power_of_2
+    return max(16, pow2(d_v)), max(16, pow2(max(D - d_v, 1)))
+
+
+def _index_block(K: int) -> int:
+    return min(256, max(16, triton.next_power_of_2(max(K, 1))))
+
+
+def _f32_dots(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or interpreted()
+
+
+def _head_launches(heads: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(first head, tile, tiles) per run of equal tiles."""
+    out, h0 = [], 0
+    for t in heads:
+        if out and out[-1][1] == t:
+            out[-1] = (out[-1][0], t, out[-1][2] + 1)
+        else:
+            out.append((h0, t, 1))
+        h0 += t
+    return out
+
+
+def sparse_mla_fwd_triton(q: Tensor, latent: Tensor, indices: Tensor, *, scale: float,
+                          d_v: int) -> tuple[Tensor, Tensor]:
+    """The Triton kernels of `sparse_mla_gather`'s forward: q [B, T, H, D], latent [B, S, D], indices int32
+    [B, T, k] (-1 = empty slot) -> (o [B, T, H, d_v] in q's dtype, lse [B, T, H] fp32, natural log; o = 0 and
+    lse = -inf on a row without keys). Launch from `fwd_config`: few queries (decode) take the key-split path."""
+    _check("sparse_mla_fwd_triton", q, latent, indices, d_v)
+    B, T, H, _ = q.shape
+    cfg = fwd_config(B, T, H, indices.shape[-1], q.shape[-1], d_v, q.device, q.dtype)
+    return sparse_mla_fwd_launch(q, latent, indices, scale=scale, d_v=d_v, cfg=cfg)
+
+
+def sparse_mla_decode_triton(q: Tensor, latent: Tensor, indices: Tensor, *, scale: float, d_v: int,
+                             splits: int | None = None) -> tuple[Tensor, Tensor]:
+    """The forward with each index row split into `splits` key ranges (default: `fwd_config`'s choice, at least
+    2), the partials merged by their LSE: for decoding, T = 1..4 queries per row. Same contract as
+    `sparse_mla_fwd_triton`; the launch depends on the shapes only (CUDA-graph capturable)."""
+    _check("sparse_mla_decode_triton", q, latent, indices, d_v)
+    B, T, H, _ = q.shape
+    cfg = fwd_config(B, T, H, indices.shape[-1], q.shape[-1], d_v, q.device, q.dtype)
+    splits = max(2, cfg.splits) if splits is None else max(1, splits)
+    return sparse_mla_fwd_launch(q, latent, indices, scale=scale, d_v=d_v, cfg=dataclasses.replace(cfg, splits=splits))
+
+
+def sparse_mla_fwd_launch(q: Tensor, latent: Tensor, indices: Tensor, *, scale: float, d_v: int,
+                          cfg: FwdConfig) -> tuple[Tensor, Tensor]:
+    """`sparse_mla_fwd_triton` with an explicit launch `cfg` (tests run every tiling through it)."""
+    B, T, H, D = q.shape
+    S, K = latent.shape[1], indices.shape[-1]
+    DVP, DTP = _widths(D, d_v)
+    if sum(cfg.heads) < H or any(t < 16 or t & (t - 1) for t in cfg.heads):
+        raise ValueError(f"sparse_mla: head tiles {cfg.heads} must be powers of two >= 16 covering H={H}")
+    if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1) or DVP % cfg.split_v or DVP // cfg.split_v < 16:
+        raise ValueError(f"sparse_mla: block_k={cfg.block_k} must be a power of two >= 16 and split_v="
+                         f"{cfg.split_v} must divide the padded value width {DVP} into blocks of >= 16")
+    q, latent, indices = q.contiguous(), latent.contiguous(), indices.contiguous()
+    o = q.new_empty(B, T, H, d_v)
+    lse = q.new_empty(B, T, H, dtype=torch.float32)
+    R = B * T
+    if R == 0 or H == 0 or K == 0:        # nothing to launch (and no index storage to point at)
+        return o.zero_(), lse.fill_(float("-inf"))
+    KS = triton.cdiv(triton.cdiv(K, cfg.splits), cfg.block_k) * cfg.block_k
+    NS = triton.cdiv(K, KS)
+    if NS > 1:
+        o_out = torch.empty(NS, R, H, d_v, dtype=torch.float32, device=q.device)
+        lse_out = torch.empty(NS, R, H, dtype=torch.float32, device=q.device)
+    else:
+        o_out, lse_out = o, lse
+    for h0, bh, nt in _head_launches(cfg.heads):
+        _fwd_kernel[(R * NS * cfg.split_v * nt,)](
+            q, latent, indices, o_out, lse_out, R, T, S, H, K, D, d_v, h0, nt, NS, KS, scale * LOG2E,
+            BH=bh, BK=cfg.block_k, BV=DVP // cfg.split_v, NV=cfg.split_v, DTP=DTP, IB=_index_block(K),
+            F32=_f32_dots(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if NS > 1:
+        BC = min(DVP, 128)
+        _merge_kernel[(R * H,)](o_out, lse_out, o, lse, R * H, NS, d_v, NSP=triton.next_power_of_2(NS), BC=BC,
+                                NC=DVP // BC, num_warps=4)
+    return o, lse
+
+
+def sparse_mla_bwd_triton(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                          dlse: Tensor | None, *, scale: float, d_v: int,
+                          deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """The Triton kernels of `sparse_mla_gather_bwd`: (dq in q's dtype, dlatent in the latent's dtype) from the
+    inputs, the forward's o and lse, the output gradient do [B, T, H, d_v] and, when the LSE is used, its gradient
+    dlse [B, T, H] (or None). dlatent is accumulated in fp32 over every query that selected a key: by atomics,
+    or with `deterministic` in a fixed order (bitwise reproducible, twice the memory traffic)."""
+    _check("sparse_mla_bwd_triton", q, latent, indices, d_v, o=o, lse=lse, do=do, dlse=dlse)
+    B, T, H, D = q.shape
+    cfg = bwd_config(B, T, H, indices.shape[-1], D, d_v, q.device, q.dtype)
+    return sparse_mla_bwd_launch(q, latent, indices, o, lse, do, dlse, scale=scale, d_v=d_v,
+                                 deterministic=deterministic, cfg=cfg)
+
+
+def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                          dlse: Tensor | None, *, scale: float, d_v: int, deterministic: bool = False,
+                          cfg: BwdConfig, chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """`sparse_mla_bwd_triton` with an explicit launch `cfg`; `chunk_rows`: queries a chunk of the deterministic
+    path (default: by `DKV_CHUNK_ELEMENTS`)."""
+    B, T, H, D = q.shape
+    S, K = latent.shape[1], indices.shape[-1]
+    DVP, DTP = _widths(D, d_v)
+    for name, t in (("heads", min(cfg.heads, default=0)), ("block_k", cfg.block_k), ("dkv_block_k", cfg.dkv_block_k),
+                    ("dkv_block_h", cfg.dkv_block_h)):
+        if t < 16 or t & (t - 1):
+            raise ValueError(f"sparse_mla: {name} {t} must be a power of two >= 16")
+    if sum(cfg.heads) < H:
+        raise ValueError(f"sparse_mla: head tiles {cfg.heads} do not cover H={H}")
+    # o and do enter dots with q and the latent: one dtype (autograd hands do in o's); the LSE in fp32
+    q, latent, indices = q.contiguous(), latent.contiguous(), indices.contiguous()
+    o, do, lse = o.to(q.dtype).contiguous(), do.to(q.dtype).contiguous(), lse.float().contiguous()
+    dlse = None if dlse is None else dlse.contiguous()
+    dq = torch.empty_like(q)
+    dlat = torch.zeros(B, S, D, dtype=torch.float32, device=q.device)
+    R = B * T
+    if R == 0 or H == 0 or K == 0:
+        return dq.zero_(), dlat.to(latent.dtype)
+    delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+    f32 = _f32_dots(q.dtype)
+    fused = cfg.fused_dkv and not deterministic
+    for h0, bh, nt in _head_launches(cfg.heads):
+        _bwd_dq_kernel[(R * nt,)](
+            q, latent, indices, o, lse, do, lse if dlse is None else dlse, dq, delta, dlat, T, S, H, K, D, d_v, h0,
+            nt, scale, scale * LOG2E, BH=bh, BK=cfg.block_k, DVP=DVP, DTP=DTP, IB=_index_block(K),
+            HAS_DLSE=dlse is not None, FUSED=fused, F32=f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if fused:
+        return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
+    NKB = triton.cdiv(K, cfg.dkv_block_k)
+    dkv = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DVP, DTP=DTP, F32=f32, num_warps=cfg.num_warps,
+               num_stages=cfg.num_stages)
+    if not deterministic:
+        _bwd_dkv_kernel[(R * NKB,)](q, latent, indices, lse, do, delta, dlat, 0, NKB, T, S, H, K, D, d_v, scale,
+                                    scale * LOG2E, ATOMIC=True, **dkv)
+    else:
+        _dkv_deterministic(q, latent, indices, lse, do, delta, dlat, scale, d_v, NKB, dkv, chunk_rows)
+    return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
+
+
+def _dkv_deterministic(q, latent, indices, lse, do, delta, dlat, scale, d_v, NKB, dkv, chunk_rows):
+    """dlatent without atomics: per chunk of queries, every (query, slot)'s gradient row into a buffer, the
+    chunk's valid slots sorted by key (stable: query order within a key), each key's run summed in that order
+    and added to its row. Static shapes, no host reads."""
+    B, T, H, D = q.shape
+    S, K = latent.shape[1], indices.shape[-1]
+    R = B * T
+    rows = chunk_rows or max(1, DKV_CHUNK_ELEMENTS // (K * D))
+    flat = indices.view(R, K)
+    nkeys = B * S
+    BC = min(128, triton.next_power_of_2(D))
+    every_key = torch.arange(nkeys, device=q.device)
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        part = torch.empty((r1 - r0) * K, D, dtype=torch.float32, device=q.device)
+        _bwd_dkv_kernel[((r1 - r0) * NKB,)](q, latent, indices, lse, do, delta, part, r0, NKB, T, S, H, K, D, d_v,
+                                            scale, scale * LOG2E, ATOMIC=False, **dkv)
+        idx = flat[r0:r1].long()
+        b = torch.arange(r0, r1, device=q.device) // T
+        keys = torch.where((idx >= 0) & (idx < S), b[:, None] * S + idx, nkeys).flatten()
+        keys, order = torch.sort(keys, stable=True)
+        starts = torch.searchsorted(keys, every_key)
+        ends = torch.searchsorted(keys, every_key, right=True)
+        _dkv_reduce_kernel[(nkeys, triton.cdiv(D, BC))](part, order, starts, ends, dlat, D, BR=16, BC=BC,
+                                                        num_warps=4)

@@ -1,0 +1,369 @@
+"""The Triton kernels of the sparse attention contract (kimi/ops/sparse_mla_triton.py) against a float64 evaluation
+of the gathering reference `sparse_mla_gather` (+ `_bwd`): outputs, LSE, dq and dlatent with and without an LSE
+gradient, -1 slots anywhere, empty rows, keys chosen by many queries, every head tiling, the deterministic dlatent
+and the decode split. Without a GPU they run through Triton's interpreter at narrow latents (tests/conftest.py sets
+TRITON_INTERPRET=1), with one test at the release's 576 / 512 widths; the tests marked `gpu` run on the H200 at
+real sizes."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from helpers import rel_err
+from kimi.ops import sparse_mla_triton as sm
+from kimi.ops.registry import triton
+from kimi.ops.sparse_attention import sparse_mla_gather, sparse_mla_gather_bwd
+
+pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+"""Relative to float64 on the same (rounded) inputs. fp32: IEEE dots, measured errors below 5e-7. bf16: o and dq are
+rounded to bf16 and p, ds before their second dot; measured up to 4.6e-3 for o and dlatent and 9e-3 for dq (its
+terms cancel: Σ_j ds_j = 0 without an LSE gradient) over 60 seeds, so 2e-2 leaves a 2x margin."""
+F, Bw = sm.FwdConfig, sm.BwdConfig
+
+
+def _selection(B, T, S, k, layout="holes", device=DEVICE):
+    """indices int32 [B, T, k]: per row n distinct random keys, n drawn from 0..min(k, S) (the first row empty, the
+    last full), either in random slots (-1 anywhere: "holes") or ascending then -1 (the indexer's "prefix")."""
+    m = min(k, S)
+    keys = torch.rand(B, T, S, device=device).argsort(-1)[..., :m]
+    n = torch.randint(0, m + 1, (B, T), device=device)
+    n[0, 0], n[-1, -1] = 0, m
+    j = torch.arange(m, device=device)
+    keys = torch.where(j < n[..., None], keys, -1)
+    if layout == "prefix":
+        keys = torch.where(keys < 0, S, keys).sort(-1).values
+        keys = torch.where(keys == S, -1, keys)
+    idx = torch.full((B, T, k), -1, dtype=torch.int32, device=device)
+    if layout == "prefix":
+        idx[..., :m] = keys.int()
+    else:
+        idx.scatter_(-1, torch.rand(B, T, k, device=device).argsort(-1)[..., :m], keys.int())
+    return idx
+
+
+def _inputs(B, T, H, S, D, d_v, dtype, grads=True):
+    r = lambda *s: torch.randn(*s, device=DEVICE).to(dtype)
+    q, lat = r(B, T, H, D), r(B, S, D)
+    return q, lat, r(B, T, H, d_v), (torch.randn(B, T, H, device=DEVICE) if grads else None)
+
+
+def _reference(q, lat, idx, do, dlse, scale, d_v):
+    """float64 (o, lse, dq, dlatent) of the gathering reference on the same inputs."""
+    q64, l64 = q.double(), lat.double()
+    o, lse = sparse_mla_gather(q64, l64, idx, scale=scale, d_v=d_v)
+    dq, dl = sparse_mla_gather_bwd(q64, l64, idx, o, lse, do.double(), None if dlse is None else dlse.double(),
+                                   scale=scale, d_v=d_v)
+    return o, lse, dq, dl
+
+
+def _check_against_reference(q, lat, idx, do, dlse, scale, d_v, fwd_cfg=None, bwd_cfg=None, deterministic=False,
+                             chunk_rows=None):
+    """Run the kernels (the per-shape launch, or the given ones) and compare everything with float64."""
+    if fwd_cfg is None:
+        o, lse = sm.sparse_mla_fwd_triton(q, lat, idx, scale=scale, d_v=d_v)
+    else:
+        o, lse = sm.sparse_mla_fwd_launch(q, lat, idx, scale=scale, d_v=d_v, cfg=fwd_cfg)
+    if bwd_cfg is None and chunk_rows is None:
+        dq, dl = sm.sparse_mla_bwd_triton(q, lat, idx, o, lse, do, dlse, scale=scale, d_v=d_v,
+                                          deterministic=deterministic)
+    else:
+        cfg = bwd_cfg or sm.bwd_config(*q.shape[:3], idx.shape[-1], q.shape[-1], d_v, q.device, q.dtype)
+        dq, dl = sm.sparse_mla_bwd_launch(q, lat, idx, o, lse, do, dlse, scale=scale, d_v=d_v,
+                                          deterministic=deterministic, cfg=cfg, chunk_rows=chunk_rows)
+    o_r, lse_r, dq_r, dl_r = _reference(q, lat, idx, do, dlse, scale, d_v)
+    tol = TOL[q.dtype]
+    assert o.dtype == q.dtype and lse.dtype == torch.float32 and dq.dtype == q.dtype and dl.dtype == lat.dtype
+    assert o.shape == o_r.shape and dq.shape == q.shape and dl.shape == lat.shape and o.is_contiguous()
+    empty = ~((idx >= 0).any(-1))
+    fin = torch.isfinite(lse_r)
+    assert torch.equal(fin, ~empty[..., None].expand_as(fin))
+    assert torch.equal(lse[~fin], lse_r[~fin].float())                        # -inf exactly
+    assert torch.equal(o[empty], torch.zeros_like(o[empty])) and torch.equal(dq[empty], torch.zeros_like(dq[empty]))
+    unselected = torch.ones(lat.shape[:2], dtype=torch.bool, device=lat.device)
+    for b in range(idx.shape[0]):
+        unselected[b, idx[b][idx[b] >= 0].long()] = False
+    assert torch.equal(dl[unselected], torch.zeros_like(dl[unselected]))
+    errs = dict(o=rel_err(o, o_r), lse=rel_err(lse[fin], lse_r[fin]), dq=rel_err(dq, dq_r), dlatent=rel_err(dl, dl_r))
+    assert errs["lse"] < 1e-5 and max(errs.values()) < tol, errs
+    return o, lse, dq, dl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B, T, H, S, D, d_v, k, layout", [
+    (2, 6, 3, 40, 48, 32, 13, "holes"),        # 3 heads in one masked 16-head tile
+    (1, 5, 16, 50, 44, 24, 37, "prefix"),      # value and tail widths not powers of two (masked columns)
+    (1, 2, 96, 16, 48, 32, 20, "holes"),       # 96 heads: three 32-head tiles; k above S (every row short)
+], ids=["H3", "H16", "H96"])
+@pytest.mark.parametrize("lse_grad", [True, False], ids=["dlse", "no-dlse"])
+def test_matches_float64_reference(dtype, B, T, H, S, D, d_v, k, layout, lse_grad):
+    """Forward and backward with the per-shape launches: o, lse, dq, dlatent; empty rows give o = 0, lse = -inf
+    and zero dq; latent rows no query selected get exactly zero gradient."""
+    q, lat, do, dlse = _inputs(B, T, H, S, D, d_v, dtype, lse_grad)
+    _check_against_reference(q, lat, _selection(B, T, S, k, layout), do, dlse, scale=D ** -0.5 * 1.7, d_v=d_v)
+
+
+@pytest.mark.parametrize("fwd_cfg, bwd_cfg", [
+    (F(heads=(64, 32), block_k=16, split_v=2), Bw(heads=(64, 32), block_k=16, dkv_block_k=16, dkv_block_h=64)),
+    (F(heads=(16,) * 6, block_k=32), Bw(heads=(16,) * 6, block_k=32, dkv_block_k=64, dkv_block_h=16)),
+    (F(heads=(128,), block_k=64, split_v=2), Bw(heads=(128,), block_k=64, dkv_block_k=32, dkv_block_h=128)),
+    (F(heads=(32, 32, 32), block_k=16), Bw(heads=(32, 32, 32), block_k=16, fused_dkv=True)),
+], ids=["64+32,split_v2", "16x6", "128-padded,split_v2", "32x3,fused-dkv"])
+def test_every_head_tiling_matches(fwd_cfg, bwd_cfg):
+    """96 heads under the other tilings (a 64- and a 32-head launch, six 16-head tiles, one tile padded to 128),
+    value columns split over two programs, key blocks smaller and larger than k's remainder, and the backward
+    whose dq kernel adds dlatent itself."""
+    q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
+    _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, fwd_cfg=fwd_cfg,
+                             bwd_cfg=bwd_cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_release_widths(dtype):
+    """The release's widths: 96 heads, a 576-wide latent whose first 512 columns are the values, σ = 192^-1/2;
+    k = 70 (one full and one partial block of 64), -1 slots anywhere."""
+    q, lat, do, dlse = _inputs(1, 2, 96, 90, 576, 512, dtype)
+    _check_against_reference(q, lat, _selection(1, 2, 90, 70), do, dlse, scale=192 ** -0.5, d_v=512)
+
+
+@settings(max_examples=12)
+@given(B=st.integers(1, 2), T=st.integers(1, 5), H=st.integers(1, 40), S=st.integers(1, 30), k=st.integers(1, 40),
+       widths=st.sampled_from([(24, 16), (40, 32), (33, 17), (32, 32)]), block_k=st.sampled_from([16, 32, 64]),
+       widest=st.sampled_from([16, 32, 64]), split_v=st.sampled_from([1, 2]), splits=st.integers(1, 4),
+       dkv=st.sampled_from([(16, 16, False), (32, 32, False), (64, 16, False), (16, 16, True)]),
+       deterministic=st.booleans(),
+       layout=st.sampled_from(["holes", "prefix"]), seed=st.integers(0, 2**31 - 1))
+def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, split_v, splits, dkv, deterministic,
+                                    layout, seed):
+    """Drawn shapes (a latent without a tail included) under drawn launches: head tiles, key blocks, value splits,
+    key splits, dkv tiles or the fused dlatent, atomic or deterministic."""
+    torch.manual_seed(seed)
+    D, d_v = widths
+    # with an LSE gradient: without one, rows of a single key have dq = 0 up to rounding (nothing to compare)
+    q, lat, do, dlse = _inputs(B, T, H, S, D, d_v, torch.float32)
+    heads = sm.head_tiles(H, widest)
+    split_v = split_v if d_v > 16 else 1                    # value blocks are 16 columns at least
+    _check_against_reference(q, lat, _selection(B, T, S, k, layout), do, dlse, scale=0.3, d_v=d_v,
+                             fwd_cfg=F(heads=heads, block_k=block_k, split_v=split_v, splits=splits),
+                             bwd_cfg=Bw(heads=heads, block_k=block_k, dkv_block_k=dkv[0], dkv_block_h=dkv[1],
+                                        fused_dkv=dkv[2]),
+                             deterministic=deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_keys_selected_by_many_queries(deterministic):
+    """Seven keys, 40 queries choosing up to six of them: every latent row's gradient sums over most queries (and
+    all heads), through the atomics or the sorted per-key reduction (in chunks of 7 queries, across the batch
+    boundary)."""
+    q, lat, do, dlse = _inputs(2, 20, 5, 7, 40, 32, torch.float32)
+    idx = _selection(2, 20, 7, 9)
+    _check_against_reference(q, lat, idx, do, dlse, scale=0.3, d_v=32, deterministic=deterministic,
+                             chunk_rows=7 if deterministic else None)
+
+
+def test_deterministic_dlatent_is_bitwise_reproducible():
+    """The deterministic backward twice on the same inputs: identical bits, in one chunk and in several (the
+    interpreter runs programs in order, so the atomics are reproducible here too; the GPU test checks them apart)."""
+    q, lat, do, dlse = _inputs(1, 12, 16, 10, 48, 32, torch.float32)
+    idx = _selection(1, 12, 10, 8)
+    o, lse = sm.sparse_mla_fwd_triton(q, lat, idx, scale=0.25, d_v=32)
+    cfg = sm.bwd_config(1, 12, 16, 8, 48, 32, q.device)
+    runs = [sm.sparse_mla_bwd_launch(q, lat, idx, o, lse, do, dlse, scale=0.25, d_v=32, deterministic=True, cfg=cfg,
+                                     chunk_rows=c) for c in (None, None, 5)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert torch.equal(runs[0][0], runs[2][0]) and rel_err(runs[2][1], runs[0][1]) < 1e-6
+    ref = _reference(q, lat, idx, do, dlse, 0.25, 32)
+    assert rel_err(runs[0][1], ref[3]) < 1e-5
+
+
+@pytest.mark.parametrize("T, splits, layout", [(1, 4, "prefix"), (2, 16, "holes"), (4, 3, "prefix")])
+def test_decode_split_matches_reference(T, splits, layout):
+    """The decode path: each index row (k = 300, not a multiple of the 64-slot block) split into key ranges whose
+    partials are merged by their LSE. Rows with few keys leave whole splits empty; one row has none."""
+    B, H, S, k = 3, 8, 400, 300
+    q, lat, do, _ = _inputs(B, T, H, S, 40, 32, torch.float32, grads=False)
+    idx = _selection(B, T, S, k, layout)
+    idx[1, 0, 5:] = -1                                       # five keys: most splits of this row are empty
+    o, lse = sm.sparse_mla_decode_triton(q, lat, idx, scale=0.2, d_v=32, splits=splits)
+    o_r, lse_r = sparse_mla_gather(q.double(), lat.double(), idx, scale=0.2, d_v=32)
+    fin = torch.isfinite(lse_r)
+    assert torch.equal(torch.isfinite(lse), fin) and torch.equal(o[~fin[..., 0]], torch.zeros_like(o[~fin[..., 0]]))
+    assert rel_err(o, o_r) < 1e-5 and rel_err(lse[fin], lse_r[fin]) < 1e-5
+
+
+def test_decode_at_release_widths_and_the_automatic_split():
+    """Few queries make `fwd_config` split the keys (a decision from the shapes alone); at 96 x 576 / 512 in bf16
+    the split forward equals float64 like the unsplit one."""
+    B, T, H, S, k = 2, 1, 96, 300, 256
+    cfg = sm.fwd_config(B, T, H, k, 576, 512, torch.device(DEVICE))
+    assert cfg.splits > 1 and cfg == sm.fwd_config(B, T, H, k, 576, 512, torch.device(DEVICE))
+    q, lat, _, _ = _inputs(B, T, H, S, 576, 512, torch.bfloat16, grads=False)
+    idx = _selection(B, T, S, k, "prefix")
+    o, lse = sm.sparse_mla_fwd_triton(q, lat, idx, scale=192 ** -0.5, d_v=512)
+    o_r, lse_r = sparse_mla_gather(q.double(), lat.double(), idx, scale=192 ** -0.5, d_v=512)
+    fin = torch.isfinite(lse_r)
+    assert rel_err(o, o_r) < TOL[torch.bfloat16] and rel_err(lse[fin], lse_r[fin]) < 1e-5
+
+
+def test_degenerate_shapes():
+    """No slots at all (k = 0), every row empty, and no queries: zeros, -inf and zero gradients, no NaN."""
+    for k, fill in ((0, -1), (5, -1)):
+        q, lat, do, dlse = _inputs(2, 3, 4, 6, 24, 16, torch.float32)
+        idx = torch.full((2, 3, k), fill, dtype=torch.int32, device=DEVICE)
+        o, lse = sm.sparse_mla_fwd_triton(q, lat, idx, scale=0.3, d_v=16)
+        assert torch.equal(o, torch.zeros_like(o)) and bool((lse == float("-inf")).all())
+        dq, dl = sm.sparse_mla_bwd_triton(q, lat, idx, o, lse, do, dlse, scale=0.3, d_v=16)
+        assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dl, torch.zeros_like(dl))
+    q, lat, do, dlse = _inputs(2, 0, 4, 6, 24, 16, torch.float32)
+    o, lse = sm.sparse_mla_fwd_triton(q, lat, torch.zeros(2, 0, 3, dtype=torch.int32, device=DEVICE), scale=0.3,
+                                      d_v=16)
+    assert o.shape == (2, 0, 4, 16) and lse.shape == (2, 0, 4)
+
+
+def test_launch_configs():
+    """Head tiles cover 96 heads without padding; a prefill's launch has no key splits; decode shapes get them,
+    each split at least two key blocks long; wrong tiles are refused."""
+    assert sm.head_tiles(96, 32) == (32, 32, 32) and sm.head_tiles(96, 64) == (64, 32)
+    assert sm.head_tiles(3, 32) == (16,) and sm.head_tiles(100, 32) == (32, 32, 32, 16)
+    dev = torch.device(DEVICE)
+    assert sm.fwd_config(1, 4096, 96, 2048, 576, 512, dev).splits == 1
+    dec = sm.fwd_config(1, 1, 96, 2048, 576, 512, dev)
+    assert 1 < dec.splits <= 16 and 2048 // dec.splits >= 2 * dec.block_k
+    assert sm.bwd_config(1, 4096, 96, 2048, 576, 512, dev).heads == (32, 32, 32)
+    q, lat, _, _ = _inputs(1, 1, 20, 8, 24, 16, torch.float32)
+    idx = _selection(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="must be powers of two >= 16 covering H=20"):
+        sm.sparse_mla_fwd_launch(q, lat, idx, scale=0.1, d_v=16, cfg=F(heads=(16,)))
+    with pytest.raises(ValueError, match="split_v=3 must divide"):
+        sm.sparse_mla_fwd_launch(q, lat, idx, scale=0.1, d_v=16, cfg=F(heads=(32,), split_v=3))
+
+
+def test_rejects_what_it_cannot_run():
+    q, lat, _, _ = _inputs(1, 2, 4, 8, 24, 16, torch.float32)
+    idx = _selection(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="share a bfloat16/float16/float32 dtype"):
+        sm.sparse_mla_fwd_triton(q.double(), lat.double(), idx, scale=0.1, d_v=16)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        sm.sparse_mla_fwd_triton(q, lat, idx.long(), scale=0.1, d_v=16)
+    with pytest.raises(ValueError, match="d_v=30 must be in 1..D=24"):
+        sm.sparse_mla_fwd_triton(q, lat, idx, scale=0.1, d_v=30)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        sm.sparse_mla_fwd_triton(q, lat[..., :20], idx, scale=0.1, d_v=16)
+    o, lse = sm.sparse_mla_fwd_triton(q, lat, idx, scale=0.1, d_v=16)
+    with pytest.raises(ValueError, match=r"do has shape \[1, 2, 4, 12\], expected \[1, 2, 4, 16\]"):
+        sm.sparse_mla_bwd_triton(q, lat, idx, o, lse, o[..., :12], None, scale=0.1, d_v=16)
+
+
+# ---------------------------------------------------------------------------------------------- on the H200
+
+def _causal_selection(B, T, S, k, device):
+    """The indexer's canonical form over a cache of S slots whose last T are the queries: causal, the top-k of
+    random scores, ascending, -1 after (the early queries' rows are short)."""
+    t = torch.arange(T, device=device) + (S - T)
+    scores = torch.rand(B, T, S, device=device).masked_fill(torch.arange(S, device=device) > t[:, None], -1.0)
+    top = scores.topk(k, dim=-1)
+    idx = torch.where(top.values >= 0, top.indices, S).sort(-1).values
+    return torch.where(idx == S, -1, idx).int()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, S", [(2048, 2048), (1024, 8192)], ids=["prefill", "cached"])
+def test_cuda_release_sizes_match_float64(T, S):
+    """96 heads, 576 / 512, top-2048 in bf16 at real lengths (causal selections, short early rows): forward, LSE,
+    dq and dlatent with an LSE gradient against float64; the deterministic dlatent reproduces bitwise and agrees
+    with the atomic one."""
+    H, D, d_v, k = 96, 576, 512, 2048
+    q, lat, do, dlse = _inputs(1, T, H, S, D, d_v, torch.bfloat16)
+    idx = _causal_selection(1, T, S, k, "cuda")
+    o, lse, dq, dl = _check_against_reference(q, lat, idx, do, dlse, scale=192 ** -0.5, d_v=d_v)
+    dets = [sm.sparse_mla_bwd_triton(q, lat, idx, o, lse, do, dlse, scale=192 ** -0.5, d_v=d_v, deterministic=True)
+            for _ in range(2)]
+    assert torch.equal(dets[0][0], dets[1][0]) and torch.equal(dets[0][1], dets[1][1])
+    assert torch.equal(dets[0][0], dq) and rel_err(dets[0][1], dl) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_float32_parity_path():
+    """fp32 inputs on the GPU (IEEE dots, the launch `fwd_config` / `bwd_config` give fp32): float64's result to
+    1e-5 at the release's widths."""
+    H, D, d_v, S, k = 96, 576, 512, 1024, 512
+    q, lat, do, dlse = _inputs(1, 64, H, S, D, d_v, torch.float32)
+    _check_against_reference(q, lat, _causal_selection(1, 64, S, k, "cuda"), do, dlse, scale=192 ** -0.5, d_v=d_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fwd_cfg, bwd_cfg", [
+    (F(heads=(64, 32), block_k=32, split_v=2), Bw(heads=(64, 32))),
+    (F(heads=(64, 32), block_k=32), Bw(heads=(16,) * 6, dkv_block_k=16, num_warps=4)),
+    (F(heads=(32, 32, 32), block_k=32, num_warps=4, num_stages=3), Bw(heads=(32, 32, 32), num_stages=1)),
+    (F(heads=(32, 32, 32)), Bw(heads=(32, 32, 32), block_k=16, fused_dkv=True)),
+], ids=["64+32,split_v2", "64+32,16x6", "32x3,bk32", "fused-dkv"])
+def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
+    """The launches worth timing against the default ones fit the H200 (a 64-head tile with 64 slots a step and
+    split values, or 64 heads in the dkv kernel's steps, need more than its 227 KB of shared memory) and give the
+    float64 result."""
+    H, D, d_v, S, k = 96, 576, 512, 4096, 2048
+    q, lat, do, dlse = _inputs(1, 256, H, S, D, d_v, torch.bfloat16)
+    _check_against_reference(q, lat, _causal_selection(1, 256, S, k, "cuda"), do, dlse, scale=192 ** -0.5,
+                             d_v=d_v, fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T", [(1, 1), (32, 1), (8, 4)])
+def test_cuda_decode_matches_float64_and_replays_in_a_graph(B, T):
+    """Decode at the release's sizes (k = 2048 of an 8K cache): the key-split forward against float64, then
+    captured in a CUDA graph and replayed on new queries, equal to eager."""
+    H, D, d_v, S, k = 96, 576, 512, 8192, 2048
+    q, lat, _, _ = _inputs(B, T, H, S, D, d_v, torch.bfloat16, grads=False)
+    idx = _causal_selection(B, T, S, k, "cuda")
+    run = lambda: sm.sparse_mla_fwd_triton(q, lat, idx, scale=192 ** -0.5, d_v=d_v)
+    o, lse = run()
+    o_r, lse_r = sparse_mla_gather(q.double(), lat.double(), idx, scale=192 ** -0.5, d_v=d_v)
+    assert sm.fwd_config(B, T, H, k, D, d_v, q.device).splits > 1 or B * T * 3 >= 264
+    assert rel_err(o, o_r) < TOL[torch.bfloat16] and rel_err(lse, lse_r) < 1e-5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, lse_g = run()
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    o_e, lse_e = run()
+    assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e)
+
+
+# ---------------------------------------------------------------------------------------------- the layer path
+
+def test_triton_backend_equals_gather_in_the_model(monkeypatch):
+    """`Backend(attn="triton")` through the whole model (packed documents, padding, several query blocks, fp32):
+    the logits and the gradient of every parameter of the 'gather' path; and under torch.compile (fullgraph, the
+    kernels as opaque ops with fakes) the same logits."""
+    import kimi
+    from kimi import ops
+    from kimi.config import KDAConfig
+    from kimi.params import tree_items, unflatten
+    from helpers import tiny
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
+    cfg = tiny(num_hidden_layers=2, index_topk=4, linear_attn_config=KDAConfig(
+        num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
+    params = kimi.init_params(cfg, seed=int(torch.randint(1000, ())))
+    doc = torch.tensor([[0] * 13 + [1] * 6 + [2] * 3, [5] * 18 + [-1] * 4])
+    ids = torch.randint(0, cfg.vocab_size, doc.shape)
+    probe = torch.randn(*doc.shape, cfg.vocab_size)
+
+    def run(backend):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in tree_items(params)}
+        logits = kimi.forward(unflatten(leaves), ids, cfg, backend, document_ids=doc)
+        (logits * probe * (doc >= 0)[..., None]).sum().backward()
+        return logits.detach(), {k: v.grad for k, v in leaves.items() if v.grad is not None}
+    base = dict(kda="chunk", moe="dense")
+    want, want_g = run(kimi.Backend(attn="gather", **base))
+    got, got_g = run(kimi.Backend(attn="triton", **base))
+    real = doc >= 0
+    assert rel_err(got[real], want[real]) < 1e-5
+    assert got_g.keys() == want_g.keys()
+    for k, g in want_g.items():
+        assert rel_err(got_g[k], g) < 1e-4, k
+    compiled = torch.compile(kimi.forward, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        out = compiled(params, ids, cfg, kimi.Backend(attn="triton", **base), document_ids=doc)
+    assert rel_err(out[real], want[real]) < 1e-5
