@@ -67,9 +67,9 @@ def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, ranges: KeyRanges) 
     return lightning_index.scores(*indexer_inputs(p, x, q_resid, cfg, ranges.positions()))
 
 
-def select_keys(p: dict, x: Tensor, q_resid: Tensor, cfg, ranges: KeyRanges) -> Tensor:
+def select_keys(p: dict, x: Tensor, q_resid: Tensor, cfg, ranges: KeyRanges, backend=None) -> Tensor:
     """The indexer of one gated-MLA layer without a cache: int32 [B, T, index_topk] selected key positions
-    (-1 padded)."""
+    (-1 padded), by `ops.indexer_topk` for `backend`."""
     with torch.no_grad():
         q, k, w = indexer_inputs(p, x.detach(), q_resid.detach(), cfg, ranges.positions())
-        return ops.indexer_topk(q, k, w, ranges, topk=cfg.index_topk)
+        return ops.indexer_topk(q, k, w, ranges, topk=cfg.index_topk, backend=backend)

@@ -49,7 +49,7 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, ranges: KeyRanges, cache: dic
     topk_idx = None
     if cache is None:
         if select:
-            topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, ranges)
+            topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, ranges, backend)
     else:
         slots = step.slots
         cache["kv"].index_copy_(1, slots, latent)
@@ -59,7 +59,8 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, ranges: KeyRanges, cache: dic
                 qi, ki, wi = indexer.indexer_inputs(p["indexer"], x, q_resid, cfg, ranges.positions())
                 cache["index_k"].index_copy_(1, slots, ki)
                 if select:
-                    topk_idx = ops.indexer_topk(qi, cache["index_k"], wi, ranges, topk=cfg.index_topk)
+                    topk_idx = ops.indexer_topk(qi, cache["index_k"], wi, ranges, topk=cfg.index_topk,
+                                                backend=backend)
     o = ops.sparse_mla(q, latent, p["kv_b_proj"]["weight"], ranges, topk_idx, scale=cfg.softmax_scale,
                        backend=backend)
     o = rearrange(o, "b t h d -> b t (h d)")

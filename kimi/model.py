@@ -157,7 +157,8 @@ def recomputed(layer: Callable = layer_step) -> Callable:
     return run
 
 
-RECOMPUTE_KEEPS = frozenset({torch.ops.kimi.indexer_topk.default, torch.ops.aten.topk.default})
+RECOMPUTE_KEEPS = frozenset({torch.ops.kimi.indexer_topk.default, torch.ops.kimi.indexer_topk_triton.default,
+                             torch.ops.aten.topk.default})
 """Ops whose outputs `recomputed` saves: selections (a hard top-k recomputed from slightly different rounding could
 pick other keys or experts than the forward did)."""
 

@@ -9,7 +9,8 @@ layer module.
 |---------------------------|----------------------------------------|-----------------------------------------------|
 | delta_rule.py (+ _triton) | the KDA core: recurrence, step, chunks | kda_recurrent, kda_chunk, kda_chunk_opaque,   |
 |                           |                                        | kda_chunk_triton, kda_states, kda_step        |
-| lightning_index.py        | indexer scores and top-k, from ranges  | indexer_topk (blocked over queries)           |
+| lightning_index.py        | indexer scores and top-k, from ranges  | indexer_topk (blocked over queries),          |
+| (+ indexer_triton.py)     |                                        | indexer_topk_triton (streaming top-k)         |
 | sparse_attention.py       | attention over the selected keys       | sparse_mla_eager, _sdpa, _absorbed (dense     |
 | (+ sparse_mla_triton.py)  |                                        | masks); sparse_mla_gathered (from ranges) on  |
 |                           |                                        | sparse_mla_gather (+_bwd), the blocked        |
@@ -139,10 +140,15 @@ def kda_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Te
     return torch.ops.kimi.kda_step.default(q, k, v, g, beta, state, scale=scale)
 
 
-def indexer_topk(q: Tensor, k: Tensor, w: Tensor, ranges: KeyRanges, *, topk: int) -> Tensor:
+def indexer_topk(q: Tensor, k: Tensor, w: Tensor, ranges: KeyRanges, *, topk: int,
+                 backend: Backend | None = None) -> Tensor:
     """Indexer scores and top-k (docs/numerics.md#top-k): q [B, T, n, d], k [B, S, d], w [B, T, n] (scales
     folded in), the queries' candidate ranges. Returns int32 [B, T, topk]: valid key positions ascending, then -1.
-    Queries run in blocks of `QUERY_BLOCK`: no T×S score buffer."""
+    With `Backend(attn="triton")` the Triton kernel (streaming top-k, no score buffer; not for float64), else the
+    blocked torch op, queries in blocks of `QUERY_BLOCK` (no T×S score buffer either)."""
+    if backend is not None and backend.attn == "triton" and q.dtype != torch.float64:
+        return torch.ops.kimi.indexer_topk_triton.default(q, k, w, ranges.lo, ranges.hi, topk=topk,
+                                                          causal=ranges.causal)
     return torch.ops.kimi.indexer_topk.default(q, k, w, ranges.lo, ranges.hi, topk=topk, causal=ranges.causal,
                                                block=QUERY_BLOCK)
 

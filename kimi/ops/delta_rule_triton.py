@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .registry import interpreted, tl, triton, triton_available
+from .registry import fp32_matmuls_in_tf32, interpreted, tl, triton, triton_available
 
 def delta_states_reference(u: Tensor, w: Tensor, k: Tensor, d: Tensor, s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The sequential part of chunked KDA (`delta_rule.kda_chunk`): chunk n's entering state S_n, its corrected values
@@ -116,7 +116,7 @@ def _launch_delta(which: str, R: int, C: int, K: int, V: int, block_v: int | Non
     precision runs with on a GPU (`_DELTA_BLOCKS`), also when interpreted."""
     BC, BK, BV = _delta_blocks(C, K, V, block_v)
     if tf32 is None:
-        tf32 = _fp32_matmuls_in_tf32()
+        tf32 = fp32_matmuls_in_tf32()
     prec = "tf32" if tf32 else "ieee"
     warps = 4
     if block_v is not None:
@@ -131,15 +131,6 @@ def _launch_delta(which: str, R: int, C: int, K: int, V: int, block_v: int | Non
     else:
         _DELTA_KERNELS[which][(R, triton.cdiv(V, BV))](*args, C, K, V, BC=BC, BK=BK, BV=BV, PREC=prec,
                                                        num_warps=warps)
-
-
-def _fp32_matmuls_in_tf32() -> bool:
-    """Whether torch runs fp32 CUDA matmuls in TF32. The new-API attribute (torch >= 2.10) follows the legacy
-    `set_float32_matmul_precision` too, while the legacy getter raises once anyone used the new API."""
-    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    if precision is not None:
-        return precision == "tf32"
-    return torch.get_float32_matmul_precision() != "highest"
 
 
 def _delta_blocks(C: int, K: int, V: int, block_v: int | None) -> tuple[int, int, int]:

@@ -2,7 +2,8 @@
 
     I[b, t, s] = Σ_j w[b, t, j] · ReLU(<q[b, t, j], k[b, s]>)       fp32 accumulation (fp64 for fp64)
 
-The selection contract every implementation keeps: int32 [B, T, topk]; row t holds min(topk, #candidates) key
+The selection contract every implementation keeps (the blocked torch op `kimi::indexer_topk` and the Triton kernel
+`kimi::indexer_topk_triton`): int32 [B, T, topk]; row t holds min(topk, #candidates) key
 positions ascending, then -1; every candidate when there are at most topk; ties go to the smaller position. Hard
 top-k has no gradient: the op runs on detached inputs under no_grad (the indexer is frozen).
 """
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from ..common import compute_dtype
 from ..ranges import range_mask
+from . import indexer_triton
 
 
 def scores(q: Tensor, k: Tensor, w: Tensor, *, max_logits: int = 1 << 28) -> Tensor:
@@ -93,4 +95,18 @@ def indexer_topk_blocked(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor
 
 @indexer_topk_blocked.register_fake
 def _(q, k, w, lo, hi, *, topk, causal=False, block=1024):
+    return q.new_empty(*q.shape[:2], topk, dtype=torch.int32)
+
+
+@torch.library.custom_op("kimi::indexer_topk_triton", mutates_args=())
+def indexer_topk_triton(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, *, topk: int,
+                        causal: bool = False) -> Tensor:
+    """`kimi::indexer_topk`'s contract as one Triton kernel with a streaming top-k: no score buffer at all, the keys
+    past a query block never scored with `causal`, and a split-and-merge launch for decoding
+    (kimi/ops/indexer_triton.py). Same arguments less `block`; no gradient (the indexer is frozen)."""
+    return indexer_triton.indexer_topk_triton(q, k, w.float(), lo, hi, topk=topk, causal=causal)
+
+
+@indexer_topk_triton.register_fake
+def _(q, k, w, lo, hi, *, topk, causal=False):
     return q.new_empty(*q.shape[:2], topk, dtype=torch.int32)

@@ -16,6 +16,7 @@ Each registered function has the op's signature (tensors positional, scalars key
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -46,3 +47,25 @@ def interpreted() -> bool:
 def triton_available(device: torch.device) -> bool:
     """Whether the Triton kernels can run on tensors of `device`."""
     return triton is not None and (device.type == "cuda" or interpreted())
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (8 elsewhere: the interpreter's launch shapes)."""
+    if device.type != "cuda":
+        return 8
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fp32_matmuls_in_tf32() -> bool:
+    """Whether torch runs fp32 CUDA matmuls in TF32 (the Triton kernels' fp32 dots follow it). The new-API
+    attribute (torch >= 2.10) follows the legacy `set_float32_matmul_precision` too, while the legacy getter raises
+    once anyone used the new API."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"

@@ -253,21 +253,24 @@ def _(q, latent, indices, o, lse, do, dlse, *, scale, d_v, block=None):
     return q.new_empty(q.shape), latent.new_empty(latent.shape)
 
 
-def _gather_setup(ctx, inputs, keyword_only_inputs, output):
-    q, latent, indices = inputs
-    o, lse = output
-    ctx.save_for_backward(q, latent, indices, o, lse)
-    ctx.kw = dict(keyword_only_inputs)
+def _attention_autograd(op, backward_op) -> None:
+    """Register the backward of an op of `sparse_mla_gather`'s contract: (dq, dlatent) from `backward_op` on the
+    saved inputs and outputs (no gradient for the indices)."""
+    def setup(ctx, inputs, keyword_only_inputs, output):
+        q, latent, indices = inputs
+        o, lse = output
+        ctx.save_for_backward(q, latent, indices, o, lse)
+        ctx.kw = dict(keyword_only_inputs)
+
+    def backward(ctx, do, dlse):
+        q, latent, indices, o, lse = ctx.saved_tensors
+        do = torch.zeros_like(o) if do is None else do.contiguous()
+        dq, dlat = backward_op(q, latent, indices, o, lse, do, dlse, **ctx.kw)
+        return dq, dlat, None
+    op.register_autograd(backward, setup_context=setup)
 
 
-def _gather_backward(ctx, do, dlse):
-    q, latent, indices, o, lse = ctx.saved_tensors
-    do = torch.zeros_like(o) if do is None else do.contiguous()
-    dq, dlat = sparse_mla_gather_bwd(q, latent, indices, o, lse, do, dlse, **ctx.kw)
-    return dq, dlat, None
-
-
-sparse_mla_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+_attention_autograd(sparse_mla_gather, sparse_mla_gather_bwd)
 
 
 # ---------------------------------------------------------------------------------------------- range-based layer path
@@ -367,21 +370,7 @@ def _(q, latent, indices, o, lse, do, dlse, *, scale, d_v):
     return q.new_empty(q.shape), latent.new_empty(latent.shape)
 
 
-def _triton_setup(ctx, inputs, keyword_only_inputs, output):
-    q, latent, indices = inputs
-    o, lse = output
-    ctx.save_for_backward(q, latent, indices, o, lse)
-    ctx.kw = dict(keyword_only_inputs)
-
-
-def _triton_backward(ctx, do, dlse):
-    q, latent, indices, o, lse = ctx.saved_tensors
-    do = torch.zeros_like(o) if do is None else do.contiguous()
-    dq, dlat = sparse_mla_triton_bwd(q, latent, indices, o, lse, do, dlse, **ctx.kw)
-    return dq, dlat, None
-
-
-sparse_mla_triton.register_autograd(_triton_backward, setup_context=_triton_setup)
+_attention_autograd(sparse_mla_triton, sparse_mla_triton_bwd)
 
 
 def sparse_mla_triton_ranges(q: Tensor, latent: Tensor, kv_b: Tensor, lo: Tensor, hi: Tensor,

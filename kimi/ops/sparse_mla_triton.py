@@ -57,12 +57,11 @@ Indices outside [0, S) count as empty slots (the reference would raise).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from torch import Tensor
 
-from .registry import interpreted, tl, triton, triton_available
+from .registry import interpreted, sm_count, tl, triton, triton_available
 
 LOG2E = 1.4426950408889634
 DKV_CHUNK_ELEMENTS = 1 << 28
@@ -347,11 +346,6 @@ def head_tiles(H: int, widest: int) -> tuple[int, ...]:
     return tuple(tiles)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
                dtype: torch.dtype = torch.bfloat16) -> FwdConfig:
     """The forward's launch for a shape. 16-bit: 32-head tiles (96 heads: three, no padding; the [32, 512] fp32
@@ -364,7 +358,7 @@ def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.d
     else:
         cfg = FwdConfig(heads=head_tiles(H, 32), block_k=32 if k <= 32 else 64)
     programs = B * T * len(cfg.heads)
-    target = 2 * _sm_count(device)
+    target = 2 * sm_count(device)
     if 0 < programs < target and k > 2 * cfg.block_k:
         want = triton.next_power_of_2(triton.cdiv(target, programs))
         cfg = dataclasses.replace(cfg, splits=max(1, min(want, 16, k // (2 * cfg.block_k))))
@@ -384,7 +378,7 @@ def bwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.d
 
 # ---------------------------------------------------------------------------------------------- entries
 
-def _check(name: str, q: Tensor, latent: Tensor, indices: Tensor, d_v: int, **more: Tensor | None):
+def _check_attention(name: str, q: Tensor, latent: Tensor, indices: Tensor, d_v: int, **more: Tensor | None):
     if q.dim() != 4 or latent.dim() != 3 or indices.dim() != 3:
         raise ValueError(f"{name}: expected q [B, T, H, D], latent [B, S, D], indices [B, T, k], got "
                          f"{list(q.shape)}, {list(latent.shape)}, {list(indices.shape)}")
@@ -440,7 +434,7 @@ def sparse_mla_fwd_triton(q: Tensor, latent: Tensor, indices: Tensor, *, scale: 
     """The Triton kernels of `sparse_mla_gather`'s forward: q [B, T, H, D], latent [B, S, D], indices int32
     [B, T, k] (-1 = empty slot) -> (o [B, T, H, d_v] in q's dtype, lse [B, T, H] fp32, natural log; o = 0 and
     lse = -inf on a row without keys). Launch from `fwd_config`: few queries (decode) take the key-split path."""
-    _check("sparse_mla_fwd_triton", q, latent, indices, d_v)
+    _check_attention("sparse_mla_fwd_triton", q, latent, indices, d_v)
     B, T, H, _ = q.shape
     cfg = fwd_config(B, T, H, indices.shape[-1], q.shape[-1], d_v, q.device, q.dtype)
     return sparse_mla_fwd_launch(q, latent, indices, scale=scale, d_v=d_v, cfg=cfg)
@@ -451,7 +445,7 @@ def sparse_mla_decode_triton(q: Tensor, latent: Tensor, indices: Tensor, *, scal
     """The forward with each index row split into `splits` key ranges (default: `fwd_config`'s choice, at least
     2), the partials merged by their LSE: for decoding, T = 1..4 queries per row. Same contract as
     `sparse_mla_fwd_triton`; the launch depends on the shapes only (CUDA-graph capturable)."""
-    _check("sparse_mla_decode_triton", q, latent, indices, d_v)
+    _check_attention("sparse_mla_decode_triton", q, latent, indices, d_v)
     B, T, H, _ = q.shape
     cfg = fwd_config(B, T, H, indices.shape[-1], q.shape[-1], d_v, q.device, q.dtype)
     splits = max(2, cfg.splits) if splits is None else max(1, splits)
@@ -501,7 +495,7 @@ def sparse_mla_bwd_triton(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
     inputs, the forward's o and lse, the output gradient do [B, T, H, d_v] and, when the LSE is used, its gradient
     dlse [B, T, H] (or None). dlatent is accumulated in fp32 over every query that selected a key: by atomics,
     or with `deterministic` in a fixed order (bitwise reproducible, twice the memory traffic)."""
-    _check("sparse_mla_bwd_triton", q, latent, indices, d_v, o=o, lse=lse, do=do, dlse=dlse)
+    _check_attention("sparse_mla_bwd_triton", q, latent, indices, d_v, o=o, lse=lse, do=do, dlse=dlse)
     B, T, H, D = q.shape
     cfg = bwd_config(B, T, H, indices.shape[-1], D, d_v, q.device, q.dtype)
     return sparse_mla_bwd_launch(q, latent, indices, o, lse, do, dlse, scale=scale, d_v=d_v,

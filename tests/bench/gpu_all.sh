@@ -12,6 +12,9 @@
 #   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
 #   bash tests/bench/gpu_all.sh recompute                  # activation checkpointing: 1 x 4096 without and with
 #   bash tests/bench/gpu_all.sh recompute-long             # with it: 1 x 8192, 1 x 16384
+#   bash tests/bench/gpu_all.sh sparse-tests               # the Triton indexer and sparse MLA tests at real sizes
+#   bash tests/bench/gpu_all.sh sparse                     # those kernels against the torch references and cuDNN
+#                                                          # (tests/bench/sparse_kernels.py, 8K and 32K)
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
 #   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles)
 #   bash tests/bench/gpu_all.sh fsdp-fp32                  # fsdp-eager in fp32 without TF32: parity to rounding
@@ -59,10 +62,13 @@ for part in "$@"; do
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run "train${args//[^0-9a-z]/-}" 280 \
           python -W ignore tests/bench/train.py --warmup 2 --steps 3 $args
       done ;;
+    sparse-tests) run sparse-tests 300 python -m pytest -q -x tests/test_sparse_mla_triton.py \
+                    tests/test_indexer_triton.py -m gpu ;;
+    sparse) run sparse 400 python -W ignore tests/bench/sparse_kernels.py ;;
     fsdp) run fsdp 580 python -W ignore tests/bench/fsdp.py ;;
     fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
     fsdp-fp32) run fsdp-fp32 580 python -W ignore tests/bench/fsdp.py --compile off --dtype float32 --no-tf32 \
                  --steps 12 ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-chunk, recompute, recompute-long, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-chunk, recompute, recompute-long, sparse-tests, sparse, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
   esac
 done

@@ -67,6 +67,18 @@ def causal_selection(T: int, k: int, device) -> torch.Tensor:
     return out[None]
 
 
+def timed_row(cells: list[str], fn, flops: float, iters: int) -> float | None:
+    """Print one table row: the given cells, then ms, TFLOP/s and peak GiB of `fn` (or out of memory)."""
+    try:
+        ms, peak = measure(fn, iters)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        print(f"| {' | '.join(cells)} | out of memory | | |", flush=True)
+        return None
+    print(f"| {' | '.join(cells)} | {ms:,.2f} | {flops / ms / 1e9:,.0f} | {peak:.2f} |", flush=True)
+    return ms
+
+
 def rel(a, b) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -96,14 +108,7 @@ def attention_rows(T: int, H: int, k: int, iters: int, dsa) -> None:
     print("| path | pass | ms | TFLOP/s | peak GiB |\n|---|---|---|---|---|", flush=True)
 
     def row(name, pas, fn, flops):
-        try:
-            ms, peak = measure(fn, iters)
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            print(f"| {name} | {pas} | out of memory | | |", flush=True)
-            return None
-        print(f"| {name} | {pas} | {ms:,.2f} | {flops / ms / 1e9:,.0f} | {peak:.2f} |", flush=True)
-        return ms
+        return timed_row([name, pas], fn, flops, iters)
 
     def fwd_bwd(op):
         qq, ll = q.detach().requires_grad_(), lat.detach().requires_grad_()
@@ -160,14 +165,7 @@ def indexer_rows(T: int, k: int, iters: int, dsa) -> None:
     print("| path | ms | TFLOP/s | peak GiB |\n|---|---|---|---|", flush=True)
 
     def row(name, fn):
-        try:
-            ms, peak = measure(fn, iters)
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            print(f"| {name} | out of memory | | |", flush=True)
-            return None
-        print(f"| {name} | {ms:,.2f} | {flops / ms / 1e9:,.0f} | {peak:.2f} |", flush=True)
-        return ms
+        return timed_row([name], fn, flops, iters)
 
     ref = lambda: lightning_index.indexer_topk_blocked(q, kk, w, lo, hi, topk=k, causal=True)
     tri = lambda: indexer_triton.indexer_topk_triton(q, kk, w, lo, hi, topk=k, causal=True)

@@ -1,0 +1,382 @@
+"""Triton kernels of the indexer contract (`kimi::indexer_topk`, reference `lightning_index.indexer_topk_blocked`):
+scores fused with a streaming top-k, so no [T, S] score buffer exists (docs/numerics.md#indexer-scores, #top-k,
+#sparse-attention-contract).
+
+    I[t, s] = Σ_j w[t, j] · ReLU(<q[t, j], k[s]>)       fp32 accumulation, over the candidates lo_t <= s < hi_t
+
+**Scores.** A program owns BM queries. Per step it loads one block of BN keys [d, BN] and, for each of its
+queries, takes the dot of the query's heads [n, d] with it ([n, BN], fp32 accumulation; bf16 products are exact),
+the ReLU, the head weights and the sum over heads: scores [BM, BN] in fp32. Keys are visited in ascending
+position, only within the block's [min lo, max hi) (and, without a cache, not past the block's last query): the
+causal half is never computed.
+
+**Order keys.** Each score becomes an int32 whose signed order is the order of the scores: NaN is mapped to +inf
+first (a NaN ranks above every number and ties with +inf, as `select_topk` ranks them) and -0 to +0 (equal scores,
+equal keys). Every real key is above INT32_MIN, the "no threshold" value.
+
+**Streaming top-k.** Each query has a buffer of CAP >= topk + BN (key, position) pairs and a threshold. A scored
+key enters when it is a candidate and its key is strictly above the threshold, appended after the buffer's
+`count` entries (an exclusive prefix sum over the keep mask), so the buffer stays in ascending position order.
+Before a block could overflow a buffer holding more than topk entries, the buffer is compacted: the exact topk-th
+largest key V is found by bisection between the threshold and the largest key (counting keys >= mid in chunks of
+the buffer; the bounds snap to keys present, so it ends after about log2(#distinct keys) passes), every entry
+above V is kept and, of those equal to V, the earliest up to topk in total; the kept entries move down stably, the
+count becomes topk and the threshold V. A later key equal to V has a larger
+position than every kept tie, so "strictly above" is exactly the tie rule. At the end a last compaction leaves
+min(topk, #candidates) entries whose positions are already ascending; the row is padded with -1.
+
+**Memory.** Besides the output [B, T, topk], the prefill path holds one buffer per program of a persistent grid
+(about 2 programs per SM, each looping over query blocks, the longest first): programs × BM × CAP × 8 bytes, 34 MB
+on an H200 at topk = 2048 (CAP = 4096), whatever T and S.
+
+**Decode.** Few queries (T <= 16, no `causal`) against a long cache: the key range is split into `cdiv(S, split)`
+pieces (split a multiple of BN, fixed by B, S and the SM count); program (b, piece) runs the same streaming top-k
+over its piece for all T queries and leaves its buffer (at most topk entries, ascending) and count in a workspace
+where each query's pieces lie side by side. A merge program per query then streams the candidates of the pieces
+its range reaches, in piece order (ascending positions), in large chunks through the same selection. Launch
+shapes depend on the shapes only: lengths come from lo/hi on the device, so the step can be captured in a CUDA
+graph. Workspace: B × pow2(T) × pieces × min(split, CAP) × 8 bytes (at most the cache's slots × 8 bytes a query
+when split <= topk) plus B × T × CAP' × 8 bytes for the merge's buffers.
+
+On the CPU the kernels run through Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .registry import fp32_matmuls_in_tf32, interpreted, sm_count, tl, triton, triton_available
+
+DECODE_MAX_QUERIES = 16
+"""Without `causal`, at most this many queries a row run on the split (decode) path when the keys span several
+splits; more run on the prefill path (one program per BM queries is enough parallelism)."""
+
+if triton is not None:
+    _FLOOR = tl.constexpr(-2147483648)     # INT32_MIN: below the key of every score, -inf included
+
+    @triton.jit
+    def _score_key(s):
+        """fp32 scores -> int32 keys in the same order (integer ops only); NaN ranks as +inf, -0 as +0."""
+        bits = s.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7F800000, key)
+        return tl.where(key == -1, 0, key)
+
+    @triton.jit
+    def _append(kb, pb, key, pos, keep, cnt):
+        """Append the kept (key, position) pairs of a [R, N] tile behind each row's `cnt` entries, in tile order.
+        kb, pb: [R, 1] pointers to the rows' buffers."""
+        ki = keep.to(tl.int32)
+        dest = cnt[:, None] + tl.cumsum(ki, axis=1) - ki
+        tl.store(kb + dest, key, mask=keep)
+        tl.store(pb + dest, pos, mask=keep)
+        return cnt + tl.sum(ki, axis=1)
+
+    @triton.jit
+    def _compact(kb, pb, cnt, thr, K, R: tl.constexpr, CH: tl.constexpr):
+        """Reduce every row holding more than K entries to its K best (largest key, then earliest entry), stably in
+        place; returns the new counts and thresholds (the K-th key of each compacted row). Entries are read in
+        chunks of CH; every entry of a buffer is >= its row's threshold."""
+        tl.debug_barrier()                     # the appended entries are visible to every thread
+        act = cnt > K
+        n = tl.max(cnt)
+        j = tl.arange(0, CH)[None, :]
+        top = tl.full([R], _FLOOR, tl.int32)
+        for c0 in range(0, n, CH):
+            m = c0 + j < cnt[:, None]
+            top = tl.maximum(top, tl.max(tl.load(kb + c0 + j, mask=m, other=_FLOOR), axis=1))
+        # the largest V with at least K keys >= V, by bisection: at least K keys are >= lo, and `above` (< K) keys
+        # are > hi. The bounds snap to keys present (the least key >= mid, the largest below), so it ends once
+        # [lo, hi] holds one distinct key; 64-bit midpoints, as the range spans up to 2^32 keys.
+        lo = tl.where(act, thr, _FLOOR)
+        hi = tl.where(act, top, _FLOOR)
+        above = tl.zeros([R], tl.int32)
+        while tl.max(hi.to(tl.int64) - lo) > 0:
+            mid = (lo + (hi.to(tl.int64) - lo + 1) // 2).to(tl.int32)
+            ge = tl.zeros([R], tl.int32)
+            up = tl.full([R], 2147483647, tl.int32)
+            down = tl.full([R], _FLOOR, tl.int32)
+            for c0 in range(0, n, CH):
+                m = c0 + j < cnt[:, None]
+                key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
+                over = m & (key >= mid[:, None])
+                ge += tl.sum(over.to(tl.int32), axis=1)
+                up = tl.minimum(up, tl.min(tl.where(over, key, 2147483647), axis=1))
+                down = tl.maximum(down, tl.max(tl.where(m & ~over, key, _FLOOR), axis=1))
+            ok = ge >= K
+            lo = tl.where(act & ok, up, lo)
+            above = tl.where(act & ~ok, ge, above)      # no key lies between `down` and mid
+            hi = tl.where(act & ~ok, down, hi)
+        kth = lo
+        room = K - above                       # how many keys equal to the K-th stay: the earliest ones
+        kept = tl.zeros([R], tl.int32)
+        ties = tl.zeros([R], tl.int32)
+        for c0 in range(0, n, CH):
+            m = c0 + j < cnt[:, None]
+            key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
+            pos = tl.load(pb + c0 + j, mask=m, other=0)
+            eq = (m & (key == kth[:, None])).to(tl.int32)
+            rank = ties[:, None] + tl.cumsum(eq, axis=1) - eq
+            keep = act[:, None] & m & ((key > kth[:, None]) | ((eq != 0) & (rank < room[:, None])))
+            ki = keep.to(tl.int32)
+            dest = kept[:, None] + tl.cumsum(ki, axis=1) - ki
+            tl.debug_barrier()                 # the chunk is read by every thread before its slots are rewritten
+            tl.store(kb + dest, key, mask=keep)
+            tl.store(pb + dest, pos, mask=keep)
+            kept += tl.sum(ki, axis=1)
+            ties += tl.sum(eq, axis=1)
+        tl.debug_barrier()
+        return tl.where(act, kept, cnt), tl.where(act, kth, thr)
+
+    @triton.jit
+    def _write_rows(out_row, pb, cnt, rmask, K, CH: tl.constexpr):
+        """Each row's first min(cnt, K) buffered positions, then -1, into its output row (out_row [R, 1])."""
+        tl.debug_barrier()
+        j = tl.arange(0, CH)[None, :]
+        for c0 in range(0, K, CH):
+            m = rmask[:, None] & (c0 + j < K)
+            p = tl.load(pb + c0 + j, mask=m & (c0 + j < cnt[:, None]), other=-1)
+            tl.store(out_row + c0 + j, p, mask=m)
+
+    @triton.jit
+    def _indexer_stream_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, bk_ptr, bp_ptr, bn_ptr,
+                               B, T, S, H, D, K, NTB, NSPLIT, SPLIT, CAP,
+                               BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                               CH: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                               PREC: tl.constexpr, UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr):
+        # tasks (b, query block, key split), the query blocks in descending order (the causal ones get longer);
+        # a prefill program loops over tasks with its own buffer, a split program (SPLIT_OUT) does one task and
+        # leaves its buffer and counts (bn) for the merge
+        pid = tl.program_id(0)
+        rm = tl.arange(0, BM)
+        cn = tl.arange(0, BN)
+        hh = tl.arange(0, HP)
+        dd = tl.arange(0, DP)
+        q_tile = hh[:, None] * D + dd[None, :]
+        h_mask = hh < H
+        q_mask = h_mask[:, None] & (dd[None, :] < D)
+        k_mask = dd[:, None] < D
+        for task in range(pid, B * NTB * NSPLIT, tl.num_programs(0)):
+            sp = task % NSPLIT
+            b = (task // NSPLIT) % B
+            t0 = (NTB - 1 - task // (NSPLIT * B)) * BM
+            rows = t0 + rm
+            rmask = rows < T
+            bt = b.to(tl.int64) * T + rows
+            lo = tl.minimum(tl.maximum(tl.load(lo_ptr + bt, mask=rmask, other=0), 0), S).to(tl.int32)
+            hi = tl.minimum(tl.maximum(tl.load(hi_ptr + bt, mask=rmask, other=0), 0), S).to(tl.int32)
+            has = hi > lo
+            s_lo = tl.maximum(tl.min(tl.where(has, lo, S)), sp * SPLIT)
+            s_hi = tl.minimum(tl.max(tl.where(has, hi, 0)), sp * SPLIT + SPLIT)
+            if CAUSAL:                         # query t is key t: nothing past the block's last query
+                s_hi = tl.minimum(s_hi, t0 + BM)
+            if SPLIT_OUT:                      # [B, BM, NSPLIT, CAP]: a query's pieces side by side
+                slot = (b.to(tl.int64) * BM + rm) * NSPLIT + sp
+            else:                              # [programs, BM, CAP]
+                slot = pid.to(tl.int64) * BM + rm
+            buf = slot * CAP
+            kb = (bk_ptr + buf)[:, None]
+            pb = (bp_ptr + buf)[:, None]
+            cnt = tl.zeros([BM], tl.int32)
+            thr = tl.full([BM], _FLOOR, tl.int32)
+            k_row = k_ptr + b.to(tl.int64) * S * D
+            for s0 in range(s_lo // BN * BN, s_hi, BN):
+                s = s0 + cn
+                kt = tl.load(k_row + s[None, :].to(tl.int64) * D + dd[:, None], mask=k_mask & (s[None, :] < S),
+                             other=0.0)
+                if UPCAST:                     # the interpreter's 16-bit dot is wrong; fp32 products are exact
+                    kt = kt.to(tl.float32)
+                sc = tl.zeros([BM, BN], tl.float32)
+                for i in tl.static_range(BM):
+                    # a block's rows past T read the last query again: they have no candidates
+                    r = b.to(tl.int64) * T + tl.minimum(t0 + i, T - 1)
+                    qi = tl.load(q_ptr + r * H * D + q_tile, mask=q_mask, other=0.0)
+                    wi = tl.load(w_ptr + r * H + hh, mask=h_mask, other=0.0)
+                    if UPCAST:
+                        qi = qi.to(tl.float32)
+                    x = tl.dot(qi, kt, input_precision=PREC)       # [HP, BN], fp32 accumulation
+                    x = tl.where(x < 0.0, 0.0, x) * wi[:, None]    # a ReLU that keeps NaN
+                    if PAD_HEADS:
+                        x = tl.where(h_mask[:, None], x, 0.0)
+                    sc = tl.where(rm[:, None] == i, tl.sum(x, axis=0)[None, :], sc)
+                key = _score_key(sc)
+                if tl.max(((cnt > K) & (cnt > CAP - BN)).to(tl.int32)) > 0:
+                    cnt, thr = _compact(kb, pb, cnt, thr, K, BM, CH)
+                keep = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]) & (key > thr[:, None])
+                cnt = _append(kb, pb, key, tl.broadcast_to(s[None, :], (BM, BN)), keep, cnt)
+            if tl.max(cnt) > K:
+                cnt, thr = _compact(kb, pb, cnt, thr, K, BM, CH)
+            if SPLIT_OUT:
+                tl.store(bn_ptr + slot, cnt)
+            else:
+                _write_rows(out_ptr + (bt * K)[:, None], pb, cnt, rmask, K, CH)
+            tl.debug_barrier()                 # the buffer is read before the next task overwrites it
+
+    @triton.jit
+    def _indexer_merge_kernel(sk_ptr, spos_ptr, sn_ptr, lo_ptr, hi_ptr, out_ptr, bk_ptr, bp_ptr, T, S, K, NSPLIT,
+                              SPLIT, BMS, CAPS, CAP, MB: tl.constexpr, CH: tl.constexpr):
+        # one query (b, t): the candidates its split programs left (pieces side by side, each holding its first
+        # count entries), in chunks of MB across pieces (ascending positions), through the same selection; only
+        # the pieces its own range reaches
+        row = tl.program_id(0)
+        b = row // T
+        src = (b.to(tl.int64) * BMS + row % T) * NSPLIT          # the query's first piece
+        lo = tl.minimum(tl.maximum(tl.load(lo_ptr + row), 0), S).to(tl.int32)
+        hi = tl.minimum(tl.maximum(tl.load(hi_ptr + row), 0), S).to(tl.int32)
+        first = tl.where(hi > lo, lo // SPLIT, 0) * CAPS
+        last = tl.where(hi > lo, (hi + SPLIT - 1) // SPLIT, 0) * CAPS
+        buf = row.to(tl.int64) * CAP + tl.zeros([1], tl.int64)
+        kb = (bk_ptr + buf)[:, None]
+        pb = (bp_ptr + buf)[:, None]
+        cnt = tl.zeros([1], tl.int32)
+        thr = tl.full([1], _FLOOR, tl.int32)
+        j = tl.arange(0, MB)[None, :]
+        for e0 in range(first, last, MB):
+            e = e0 + j
+            m = (e < last) & (e % CAPS < tl.load(sn_ptr + src + e // CAPS, mask=e < last, other=0))
+            key = tl.load(sk_ptr + src * CAPS + e, mask=m, other=_FLOOR)
+            if tl.max(((cnt > K) & (cnt > CAP - MB)).to(tl.int32)) > 0:
+                cnt, thr = _compact(kb, pb, cnt, thr, K, 1, CH)
+            keep = m & (key > thr[:, None])
+            if tl.max(tl.sum(keep.to(tl.int32), axis=1)) > 0:       # most chunks, once the threshold is high
+                pos = tl.load(spos_ptr + src * CAPS + e, mask=keep, other=0)
+                cnt = _append(kb, pb, key, pos, keep, cnt)
+        if tl.max(cnt) > K:
+            cnt, thr = _compact(kb, pb, cnt, thr, K, 1, CH)
+        _write_rows(out_ptr + row.to(tl.int64) * K + tl.zeros([1, 1], tl.int64), pb, cnt,
+                    tl.zeros([1], tl.int32) == 0, K, CH)
+
+
+class IndexerLaunch(NamedTuple):
+    """Launch configuration of `indexer_topk_triton` (chosen per shape by `launch_config`)."""
+    block_q: int        # BM: queries a program (prefill) or the query block of a split program (pow2(T), decode)
+    block_k: int        # BN: keys a step
+    chunk: int          # CH: buffer entries a step of a compaction and of the output
+    programs: int       # prefill: persistent programs, one buffer each
+    split: int          # decode: keys a split program (a multiple of block_k); 0: the prefill path
+    merge_block: int    # decode: candidates a step of the merge
+    num_warps: int
+    num_stages: int
+    merge_warps: int
+
+
+def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: bool, sms: int,
+                  interpret: bool) -> IndexerLaunch:
+    """The configuration for one shape (no autotuning: the kernels keep state in global workspaces). `sms`: the
+    device's SM count (sizes the persistent grid and the decode splits). Under the interpreter the blocks are
+    small so that CPU tests cover several blocks, chunks and compactions."""
+    pow2 = triton.next_power_of_2
+    if interpret:
+        bn, chunk, merge_block, warps, stages = 32, 64, 64, 4, 1
+        split = 64 if not causal and T <= 4 and S > 64 else 0
+    else:
+        # one warpgroup per query's [n, BN] dot (n = 64: wgmma's M); a [d, BN] bf16 key tile of 32 KB at d = 128.
+        # No software pipelining: latency is hidden by two programs an SM, and the per-query tiles stay small.
+        bn, chunk, merge_block, warps, stages = (128 if D <= 128 else 64), 0, 4096, 4, 1
+        split = 0
+        if not causal and T <= DECODE_MAX_QUERIES:
+            # about two programs an SM over the batch's pieces, each piece at least 4 key blocks
+            split = min(8192, max(4 * bn, pow2(triton.cdiv(S * B, 2 * sms))))
+            split = split if triton.cdiv(S, split) > 1 else 0
+    bm = pow2(max(T, 1)) if split else min(4, pow2(max(T, 1)))
+    chunk = chunk or max(256, 2048 // bm)       # [BM, CH] compaction tiles: 16 entries a thread at 4 warps
+    programs = 0 if split else max(1, min(B * triton.cdiv(T, bm), 3 if interpret else 2 * sms))
+    return IndexerLaunch(block_q=bm, block_k=bn, chunk=chunk, programs=programs, split=split,
+                         merge_block=merge_block, num_warps=warps, num_stages=stages,
+                         merge_warps=4 if interpret else 8)
+
+
+def _capacity(topk: int, block: int, most: int) -> int:
+    """Buffer entries a row: topk plus room for at least one block and half of topk (compactions are rare), a
+    power of two; never more than the row can receive (`most`, rounded up to the block)."""
+    return max(block, min(triton.next_power_of_2(topk + max(block, topk // 2)), triton.cdiv(most, block) * block))
+
+
+def _check_indexer(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, topk: int):
+    if q.dim() != 4 or k.dim() != 3 or w.shape != q.shape[:3] or k.shape[0] != q.shape[0] or \
+            k.shape[2] != q.shape[3] or lo.shape != q.shape[:2] or hi.shape != q.shape[:2]:
+        raise ValueError(f"indexer_topk_triton: expected q [B, T, n, d], k [B, S, d], w [B, T, n], lo/hi [B, T]; "
+                         f"got q {list(q.shape)}, k {list(k.shape)}, w {list(w.shape)}, lo {list(lo.shape)}, "
+                         f"hi {list(hi.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype:
+        raise ValueError(f"indexer_topk_triton: q and k must share a bfloat16/float16/float32 dtype, got {q.dtype}, "
+                         f"{k.dtype} (float64 runs on the reference, lightning_index.indexer_topk_blocked)")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+        raise ValueError(f"indexer_topk_triton: topk={topk!r} must be a non-negative integer")
+    devices = {t.device for t in (q, k, w, lo, hi)}
+    if len(devices) > 1 or not triton_available(next(iter(devices))):
+        raise RuntimeError(f"indexer_topk_triton needs Triton and its tensors on one CUDA device (or "
+                           f"TRITON_INTERPRET=1), got {sorted(str(d) for d in devices)}; the reference "
+                           f"lightning_index.indexer_topk_blocked runs anywhere")
+
+
+def indexer_topk_triton(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, *, topk: int,
+                        causal: bool = False) -> Tensor:
+    """`lightning_index.indexer_topk_blocked`'s contract in Triton: q [B, T, n, d], k [B, S, d] (bf16, fp16 or
+    fp32, the same dtype), w [B, T, n] (fp32, scales folded in), lo, hi [B, T] int64 -> int32 [B, T, topk],
+    contiguous: per query min(topk, #candidates) key positions of [lo_t, hi_t) ascending, then -1; ties to the
+    smaller position, NaN scores above every number. `causal`: query t is key t (no cache; the ranges satisfy
+    hi_t <= t + 1), so no key past a query block's last query is scored. fp32 dots run in TF32 when torch's fp32
+    matmuls do (as the reference's einsum on the same GPU). Never reads a device value on the host."""
+    _check_indexer(q, k, w, lo, hi, topk)
+    B, T, H, D = q.shape
+    if q.device.type == "cuda":
+        sms, interpret = sm_count(q.device), interpreted()
+    else:
+        sms, interpret = 1, True
+    config = launch_config(B, T, k.shape[1], H, D, topk, causal=causal, sms=sms, interpret=interpret)
+    return indexer_topk_launch(q, k, w, lo, hi, topk=topk, causal=causal, config=config)
+
+
+def indexer_topk_launch(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, *, topk: int, causal: bool,
+                        config: IndexerLaunch) -> Tensor:
+    """`indexer_topk_triton` with a given launch configuration (`config.split` > 0: the decode path)."""
+    _check_indexer(q, k, w, lo, hi, topk)
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    out = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
+    if out.numel() == 0:
+        return out
+    c = config
+    if c.split and (causal or T > c.block_q or c.split % c.block_k):
+        raise ValueError(f"indexer_topk_launch: the decode path takes no `causal`, at most block_q={c.block_q} "
+                         f"queries and a split ({c.split}) that is a multiple of block_k ({c.block_k}); got "
+                         f"causal={causal}, T={T}")
+    q, k = q.contiguous(), k.contiguous()
+    w = w.to(torch.float32).contiguous()
+    lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
+    pow2 = triton.next_power_of_2
+    HP, DP = max(16, pow2(H)), max(16, pow2(D))
+    interp = q.device.type != "cuda" or interpreted()
+    upcast = interp and q.dtype != torch.float32
+    if q.dtype == torch.float32 or upcast:     # fp32 dots as torch's fp32 matmuls run (full fp32 interpreted)
+        prec = "tf32" if not interp and fp32_matmuls_in_tf32() else "ieee"
+    else:
+        prec = None                            # 16-bit products, exact in the fp32 accumulator
+    flags = dict(BM=c.block_q, BN=c.block_k, HP=HP, DP=DP, CH=c.chunk, PREC=prec, UPCAST=upcast, PAD_HEADS=HP != H,
+                 num_warps=c.num_warps, num_stages=c.num_stages)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    if not c.split:
+        ntb = triton.cdiv(T, c.block_q)
+        cap = _capacity(topk, c.block_k, S)
+        bk = torch.empty(c.programs, c.block_q, cap, **i32)
+        bp = torch.empty_like(bk)
+        _indexer_stream_kernel[(c.programs,)](q, k, w, lo, hi, out, bk, bp, bk, B, T, S, H, D, topk, ntb, 1,
+                                              max(S, 1), cap, CAUSAL=causal, SPLIT_OUT=False, **flags)
+        return out
+    nsplit = triton.cdiv(S, c.split)
+    caps = _capacity(topk, c.block_k, c.split)
+    sk = torch.empty(B, c.block_q, nsplit, caps, **i32)
+    spos = torch.empty_like(sk)
+    sn = torch.empty(B, c.block_q, nsplit, **i32)
+    _indexer_stream_kernel[(B * nsplit,)](q, k, w, lo, hi, out, sk, spos, sn, B, T, S, H, D, topk, 1, nsplit,
+                                          c.split, caps, CAUSAL=False, SPLIT_OUT=True, **flags)
+    cap = _capacity(topk, c.merge_block, nsplit * min(topk, caps))
+    mk = torch.empty(B * T, cap, **i32)
+    mp = torch.empty_like(mk)
+    _indexer_merge_kernel[(B * T,)](sk, spos, sn, lo, hi, out, mk, mp, T, S, topk, nsplit, c.split, c.block_q, caps,
+                                    cap, MB=c.merge_block, CH=c.merge_block, num_warps=c.merge_warps)
+    return out

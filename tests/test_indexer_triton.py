@@ -1,0 +1,369 @@
+"""The Triton indexer (kimi/ops/indexer_triton.py): scores fused with a streaming top-k, against the blocked
+reference `lightning_index.indexer_topk_blocked` (the `kimi::indexer_topk` contract). Exact on integer-valued
+inputs, whose scores every summation order computes exactly (heavy ties included); on random bf16 inputs a valid
+top-k of the float64 scores within the fp32 rounding bound. Without a GPU through Triton's interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1) at small shapes; the `gpu` tests run the release's sizes on the H200."""
+
+import pytest
+import torch
+
+from kimi.ops import indexer_triton as it
+from kimi.ops import lightning_index
+from kimi.ops.lightning_index import topk_reference
+from kimi.ops.registry import tl, triton
+from kimi.ranges import cache_ranges, document_ranges, range_mask
+
+pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _config(**changes) -> "it.IndexerLaunch":
+    """A small explicit launch (several key blocks, chunks, tasks a program) with `changes`."""
+    base = it.IndexerLaunch(block_q=4, block_k=32, chunk=64, programs=3, split=0, merge_block=64, num_warps=4,
+                            num_stages=1, merge_warps=4)
+    return base._replace(**changes)
+
+
+SMALL = [_config(block_q=1, block_k=16, chunk=16, programs=1), _config(block_q=2, programs=5)]
+"""One query a program with 16-entry chunks (one persistent program for every query), and two queries a program
+over five programs; None below is the configuration `indexer_topk_triton` chooses."""
+PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30)]
+
+
+def _ints(*shape, dtype=torch.float32):
+    """Integer values in [-2, 2]: every partial sum of the scores is exact, and equal scores are frequent."""
+    return torch.randint(-2, 3, shape, dtype=torch.int64).to(dtype=dtype, device=DEVICE)
+
+
+def _inputs(B, T, S, n=4, d=16):
+    return _ints(B, T, n, d), _ints(B, S, d), _ints(B, T, n)
+
+
+def _packed(B, T):
+    """Document ids [B, T]: random document lengths (down to 1), the first row right-padded (-1)."""
+    rows = []
+    for b in range(B):
+        lengths = torch.randint(1, T, (T,)).tolist()
+        ids = sum(([i] * n for i, n in enumerate(lengths)), [])[:T]
+        if b == 0:
+            pad = int(torch.randint(1, T // 3, ()))
+            ids = ids[:T - pad] + [-1] * pad
+        rows.append(ids)
+    return torch.tensor(rows, device=DEVICE)
+
+
+def _run(q, k, w, lo, hi, topk, causal, config):
+    if config is None:
+        return it.indexer_topk_triton(q, k, w, lo, hi, topk=topk, causal=causal)
+    return it.indexer_topk_launch(q, k, w, lo, hi, topk=topk, causal=causal, config=config)
+
+
+def _expected(q, k, w, lo, hi, topk, causal):
+    """The op's blocked reference (blocks of 32 queries), checked against the sorting oracle on the op's ranking:
+    NaN ties with +inf, and a candidate scoring -inf is still a candidate (the oracle alone would sort NaN above
+    +inf, and a candidate's -inf among the masked keys' -inf, behind smaller non-candidate positions)."""
+    want = lightning_index.indexer_topk_blocked(q, k, w, lo, hi, topk=topk, causal=causal, block=32)
+    ranked = lightning_index.scores(q, k, w)
+    ranked = ranked.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=torch.finfo(ranked.dtype).min)
+    oracle = topk_reference(ranked, range_mask(lo, hi, k.shape[1]), topk)
+    assert torch.equal(want, oracle)
+    return want
+
+
+def _assert_exact(q, k, w, lo, hi, topk, causal, config):
+    got = _run(q, k, w, lo, hi, topk, causal, config)
+    assert got.dtype == torch.int32 and got.shape == (*q.shape[:2], topk) and got.is_contiguous()
+    want = _expected(q, k, w, lo, hi, topk, causal)
+    bad = (got != want).any(-1).nonzero()
+    assert not len(bad), (config, topk, bad[:4].tolist(), got[tuple(bad[0])].tolist(), want[tuple(bad[0])].tolist())
+
+
+@pytest.mark.parametrize("config, topk", PREFILL)
+def test_exact_on_packed_documents(config, topk):
+    """Causal packed documents with padding (lo > 0, lo == hi), integer scores full of ties: equal to the
+    reference for topk 1, one not a multiple of any block, and one above most documents' lengths (short rows keep
+    every candidate)."""
+    B, T = 2, 40
+    r = document_ranges(_packed(B, T))
+    q, k, w = _inputs(B, T, T)
+    _assert_exact(q, k, w, r.lo, r.hi, topk, True, config)
+
+
+@pytest.mark.parametrize("config", [None, *SMALL])
+def test_exact_on_cached_and_arbitrary_ranges(config):
+    """Without `causal` (a prefill chunk on a cache: rows starting at different slots, queries before a row's
+    start are padding) and on arbitrary ranges, empty, reversed or past the keys on either side."""
+    B, T, S = 2, 12, 150
+    q, k, w = _inputs(B, T, S)
+    r = cache_ranges(torch.arange(130, 130 + T, device=DEVICE), torch.tensor([3, 135], device=DEVICE), S)
+    _assert_exact(q, k, w, r.lo, r.hi, 9, False, config)
+    lo = torch.randint(-5, S + 5, (B, T), device=DEVICE)
+    hi = torch.randint(-5, S + 5, (B, T), device=DEVICE)
+    _assert_exact(q, k, w, lo, hi, 21, False, config)
+
+
+@pytest.mark.parametrize("order", ["increasing", "decreasing", "constant", "random"])
+def test_exact_through_many_compactions(order):
+    """S far above the buffer: with scores increasing along the keys every key enters and the buffer is compacted
+    every block; decreasing, nothing enters after the first topk; constant, every score ties and the first topk
+    candidates win; random, a few compactions. Queries start at different keys (no key block alignment)."""
+    B, T, S, n, d = 1, 5, 192, 2, 16
+    q, k, w = _inputs(B, T, S, n, d)
+    s = torch.arange(S, device=DEVICE, dtype=torch.float32)
+    if order != "random":
+        q, w = q.abs() + 1, w.abs() + 1
+        k = {"increasing": s, "decreasing": S - s, "constant": torch.ones_like(s)}[order][None, :, None].expand(B, S, d)
+    lo = torch.randint(0, 30, (B, T), device=DEVICE)
+    hi = torch.full((B, T), S, device=DEVICE)
+    for topk, config in ((5, _config(block_k=16, chunk=16)), (37, None)):
+        assert it._capacity(topk, 32 if config is None else 16, S) < S - 30     # compactions are needed
+        _assert_exact(q, k.contiguous(), w, lo, hi, topk, False, config)
+
+
+DECODE = [(None, 5), (None, 300), (_config(split=32, block_k=16, chunk=16, merge_block=16), 5),
+          (_config(split=32, block_k=16, chunk=16, merge_block=16), 50), (_config(split=96, merge_block=128), 50)]
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("config, topk", DECODE)
+def test_decode_exact(T, config, topk):
+    """The decode path: the cache split over programs, each keeping its piece's top-k, then the merge. A few
+    queries against 250 slots (the last piece ragged), rows starting at slot 0, mid-cache and after the queries
+    (padding); topk below and above the piece size (pieces that select, pieces that keep everything) and above the
+    candidates."""
+    B, S = 3, 250
+    q, k, w = _inputs(B, T, S)
+    r = cache_ranges(torch.arange(220, 220 + T, device=DEVICE), torch.tensor([0, 77, 222], device=DEVICE), S)
+    if config is None:
+        assert it.launch_config(B, T, S, 4, 16, topk, causal=False, sms=1, interpret=True).split
+    else:
+        config = config._replace(block_q=triton.next_power_of_2(T))
+    _assert_exact(q, k, w, r.lo, r.hi, topk, False, config)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's numpy
+def test_nan_and_inf_scores_rank_first():
+    """A NaN score (a NaN key, query or head weight) ranks above every finite number and ties with +inf, as
+    `select_topk` ranks them, so ties among them go to the smaller position; a candidate scoring -inf is still a
+    candidate. Prefill and decode paths."""
+    B, T, S = 2, 20, 120
+    q, k, w = _inputs(B, T, S)
+    k[0, [3, 50, 51]] = float("nan")
+    q[0, 5, 1, 0] = float("nan")                     # every score of query (0, 5) is NaN
+    w[0, 17, 3] = float("nan")
+    k[1, 9, 3], k[1, 11, 0], k[1, 6, 2] = float("inf"), float("nan"), float("inf")
+    q[1, 12], w[1, 12] = 1.0, 1.0                    # query (1, 12): +inf at key 9, NaN at key 11: a tie
+    q[1, 12, :, 2] = -1.0                            # (and a finite score at key 6)
+    q[1, 6], w[1, 6] = 1.0, -1.0                     # query (1, 6): two candidates, key 6 scoring -inf
+    doc = torch.tensor([[0] * 8 + [1] * 12, [0] * 5 + [1] * 15], device=DEVICE)
+    r = document_ranges(doc)
+    for topk in (1, 2, 6):
+        _assert_exact(q, k, w, r.lo, r.hi, topk, True, None)
+    got = it.indexer_topk_triton(q, k, w, r.lo, r.hi, topk=2, causal=True)
+    assert got[1, 12].tolist() == [9, 11] and got[1, 6].tolist() == [5, 6]
+    assert it.indexer_topk_triton(q, k, w, r.lo, r.hi, topk=1, causal=True)[1, 12].item() == 9
+    r = cache_ranges(torch.arange(110, 112, device=DEVICE), torch.tensor([0, 8], device=DEVICE), S)
+    _assert_exact(q[:, :2].contiguous(), k, w[:, :2].contiguous(), r.lo, r.hi, 4, False, None)
+
+
+if triton is not None:
+    @triton.jit
+    def _keys_kernel(x_ptr, y_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y_ptr + i, it._score_key(tl.load(x_ptr + i)))
+
+
+def test_score_keys_order_as_the_scores():
+    """The int32 keys the selection compares order every fp32 value as the scores rank: NaN of either sign equal to
+    +inf, -0 equal to +0, denormals and infinities in place."""
+    values = [float("-inf"), -3e38, -3.5, -1.0, -1e-40, -0.0, 0.0, 1e-45, 1e-40, 1.0, 2.0, 3e38, float("inf"),
+              float("nan")]
+    x = torch.tensor(values + [0.0, 0.5], dtype=torch.float32)
+    x[-2] = torch.tensor(-4194304, dtype=torch.int32).view(torch.float32)      # a NaN with the sign bit set
+    x = torch.cat([x, torch.randn(16) * 10.0 ** torch.randint(-40, 38, (16,))]).to(DEVICE)
+    keys = torch.empty(x.shape, dtype=torch.int32, device=DEVICE)
+    _keys_kernel[(1,)](x, keys, N=x.numel())
+    ranked = x.double().nan_to_num(nan=float("inf"), posinf=float("inf"))
+    assert torch.equal(torch.sign(keys[:, None].long() - keys[None, :].long()),
+                       torch.sign(ranked[:, None] - ranked[None, :]).nan_to_num(0.0).long())
+
+
+def _assert_valid_topk(idx, q, k, w, lo, hi, topk):
+    """idx is a top-k of the float64 scores of the same (bf16) inputs, up to the kernel's fp32 rounding: counts
+    exact, ascending valid prefix, -1 suffix, only candidates; every selected key's score at least the k-th
+    largest minus the bound and every unselected candidate's at most the k-th plus it. The bound: an fp32 sum of
+    m terms errs by at most m·u·Σ|terms| (exact bf16 products), over the d-term dots and the weighted n-term sum;
+    with u = 2^-22, four fp32 roundings (tensor-core accumulation need not round to nearest)."""
+    ref = lightning_index.scores(q.double(), k.double(), w.double())
+    B, T, S = ref.shape
+    n, d = q.shape[2], q.shape[3]
+    absum = torch.einsum("btnd,bsd->btns", q.double().abs(), k.double().abs())
+    bound = 2 * (n + d + 2) * 2.0 ** -22 * torch.einsum("btns,btn->bts", absum, w.double().abs())
+    valid = range_mask(lo, hi, S)
+    count = valid.sum(-1)
+    chosen = idx >= 0
+    assert torch.equal(chosen.sum(-1), count.clamp(max=topk))
+    assert torch.equal(chosen, torch.arange(topk, device=idx.device) < chosen.sum(-1, keepdim=True))
+    pref = torch.where(chosen, idx, torch.iinfo(torch.int32).max)
+    assert bool((pref[..., 1:] > pref[..., :-1]).logical_or(~chosen[..., 1:]).all())
+    sel = torch.zeros(B, T, S + 1, dtype=torch.bool, device=idx.device).scatter(
+        -1, torch.where(chosen, idx, S).long(), True)[..., :S]
+    assert not bool((sel & ~valid).any())
+    tau = bound.masked_fill(~valid, 0).amax(-1)                          # the row's largest error bound
+    kk = min(topk, S)
+    kth = ref.masked_fill(~valid, float("-inf")).topk(kk, dim=-1).values[..., -1]
+    full = count > topk
+    low = ref.masked_fill(~sel, float("inf")).amin(-1)                  # the worst selected score
+    high = ref.masked_fill(sel | ~valid, float("-inf")).amax(-1)        # the best unselected candidate
+    assert bool((low[full] >= kth[full] - 2 * tau[full]).all()), (low - kth + 2 * tau)[full].min()
+    assert bool((high[full] <= kth[full] + 2 * tau[full]).all()), (high - kth - 2 * tau)[full].max()
+    exact = topk_reference(ref, valid, topk)                              # overlap with the float64 selection
+    hits = torch.zeros_like(sel).scatter(-1, torch.where(exact >= 0, exact, S).long().clamp(max=S - 1), True) & sel
+    overlap = hits.sum(-1)[full].double() / topk
+    assert not len(overlap) or overlap.mean() >= 0.97
+
+
+def _bf16(B, T, S, n=4, d=16):
+    return (torch.randn(B, T, n, d, device=DEVICE).bfloat16(), torch.randn(B, S, d, device=DEVICE).bfloat16(),
+            torch.randn(B, T, n, device=DEVICE))
+
+
+def test_bf16_selection_is_a_valid_topk():
+    """Random bf16 q and k, fp32 head weights of both signs: prefill on packed documents, a cached prefill chunk
+    and the decode path, each a valid top-k of the float64 scores."""
+    B, T, topk = 2, 48, 9
+    q, k, w = _bf16(B, T, T)
+    r = document_ranges(_packed(B, T))
+    _assert_valid_topk(it.indexer_topk_triton(q, k, w, r.lo, r.hi, topk=topk, causal=True), q, k, w, r.lo, r.hi,
+                       topk)
+    S = 300
+    q, k, w = _bf16(B, 8, S)
+    r = cache_ranges(torch.arange(290, 298, device=DEVICE), torch.tensor([0, 40], device=DEVICE), S)
+    _assert_valid_topk(it.indexer_topk_triton(q, k, w, r.lo, r.hi, topk=12, causal=False), q, k, w, r.lo, r.hi, 12)
+    q, w = q[:, :2].contiguous(), w[:, :2].contiguous()
+    r = cache_ranges(torch.arange(290, 292, device=DEVICE), torch.tensor([0, 40], device=DEVICE), S)
+    assert it.launch_config(B, 2, S, 4, 16, 12, causal=False, sms=1, interpret=True).split
+    _assert_valid_topk(it.indexer_topk_triton(q, k, w, r.lo, r.hi, topk=12, causal=False), q, k, w, r.lo, r.hi, 12)
+
+
+def test_launch_configs_and_memory():
+    """The configurations the H200 (132 SMs) gets, computed on the CPU: the prefill workspace is independent of T
+    and S (persistent programs) and far below one [T, S] score matrix; decode splits are static functions of the
+    shapes, multiples of the key block, enough programs for the SMs; causal or long query sets never split."""
+    sms = 132
+    c = it.launch_config(1, 131072, 131072, 64, 128, 2048, causal=True, sms=sms, interpret=False)
+    assert not c.split and c.programs == 2 * sms
+    cap = it._capacity(2048, c.block_k, 131072)
+    assert cap == 4096
+    assert c.programs * c.block_q * cap * 8 <= 40 * 2 ** 20                 # 34.6 MB, vs 64 GiB of fp32 scores
+    for B, S in ((1, 131072), (32, 131072), (4, 8192), (1, 4096)):
+        c = it.launch_config(B, 1, S, 64, 128, 2048, causal=False, sms=sms, interpret=False)
+        assert c.split and c.split % c.block_k == 0 and c.block_q == 1
+        assert B * triton.cdiv(S, c.split) >= min(sms, B * S // (4 * c.block_k))
+    assert not it.launch_config(1, 1, 4096, 64, 128, 2048, causal=True, sms=sms, interpret=False).split
+    assert not it.launch_config(1, 64, 131072, 64, 128, 2048, causal=False, sms=sms, interpret=False).split
+    assert not it.launch_config(1, 4, 256, 64, 128, 2048, causal=False, sms=sms, interpret=False).split
+
+
+def test_allocates_nothing_of_size_t_by_s():
+    """No tensor created during the call (workspaces, the interpreter's byte copies of the inputs) is as large as
+    one [T, S] matrix of fp32 scores."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(o, torch.Tensor):
+                    Largest.largest = max(Largest.largest, o.numel() * o.element_size())
+            return out
+
+    T = 96
+    q, k, w = _inputs(1, T, T, n=2)
+    t = torch.arange(T, device=DEVICE)[None]
+    with Largest():
+        idx = it.indexer_topk_triton(q, k, w, torch.zeros_like(t), t + 1, topk=8, causal=True)
+    assert 0 < Largest.largest < T * T * 4, Largest.largest
+    assert torch.equal(idx, _expected(q, k, w, torch.zeros_like(t), t + 1, 8, True))
+
+
+def test_edge_shapes_and_errors():
+    """No queries, topk 0, an empty cache (every slot -1), topk above S; float64 and mismatched shapes refused
+    with the fix in the message."""
+    q, k, w = _inputs(2, 5, 9)
+    lo, hi = torch.zeros(2, 5, dtype=torch.int64, device=DEVICE), torch.full((2, 5), 9, device=DEVICE)
+    assert it.indexer_topk_triton(q[:, :0], k, w[:, :0], lo[:, :0], hi[:, :0], topk=4).shape == (2, 0, 4)
+    assert it.indexer_topk_triton(q, k, w, lo, hi, topk=0).shape == (2, 5, 0)
+    empty = it.indexer_topk_triton(q, k[:, :0], w, lo * 0, hi * 0, topk=3)
+    assert torch.equal(empty, torch.full((2, 5, 3), -1, dtype=torch.int32, device=DEVICE))
+    _assert_exact(q, k, w, lo, hi, 20, False, None)
+    with pytest.raises(ValueError, match="float64 runs on the reference"):
+        it.indexer_topk_triton(q.double(), k.double(), w, lo, hi, topk=3)
+    with pytest.raises(ValueError, match=r"expected q \[B, T, n, d\]"):
+        it.indexer_topk_triton(q, k[:, :, :8], w, lo, hi, topk=3)
+
+
+# ------------------------------------------------------------------------------------------ the release's sizes
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, _config(block_q=2, block_k=64, chunk=512, programs=264)])
+def test_gpu_exact_release_shapes(config):
+    """64 heads of 128, topk 2048, 6,144 tokens in two packed documents and a padded tail: equal to the reference
+    on integer bf16 inputs (exact products and sums on the tensor cores), ties everywhere."""
+    B, T, n, d = 1, 6144, 64, 128
+    q, k, w = _ints(B, T, n, d, dtype=torch.bfloat16), _ints(B, T, d, dtype=torch.bfloat16), _ints(B, T, n)
+    r = document_ranges(torch.tensor([[0] * 4000 + [1] * 2100 + [-1] * 44], device=DEVICE))
+    got = _run(q, k, w, r.lo, r.hi, 2048, True, config)
+    assert torch.equal(got, lightning_index.indexer_topk_blocked(q, k, w, r.lo, r.hi, topk=2048, causal=True))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_long_prefill_is_a_valid_topk():
+    """16K tokens causal in bf16 with the release's heads and topk: every row's counts and order, and 192 sampled
+    rows against their float64 scores."""
+    B, T, n, d, topk = 1, 16384, 64, 128, 2048
+    q, k, w = _bf16(B, T, T, n, d)
+    w = w * (n * d) ** -0.5
+    lo, hi = torch.zeros(B, T, dtype=torch.int64, device=DEVICE), torch.arange(1, T + 1, device=DEVICE)[None]
+    idx = it.indexer_topk_triton(q, k, w, lo, hi, topk=topk, causal=True)
+    chosen = idx >= 0
+    assert torch.equal(chosen.sum(-1), hi.clamp(max=topk))
+    rows = torch.cat([torch.arange(2040, 2060, device=DEVICE), torch.randint(2048, T, (172,), device=DEVICE)])
+    _assert_valid_topk(idx[:, rows], q[:, rows], k, w[:, rows], lo[:, rows], hi[:, rows], topk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_decode_long_cache(T):
+    """Decode over 131,072 cached slots (batch 2, one row starting mid-cache): exact on integer inputs, a valid
+    top-k on random ones."""
+    B, S, n, d, topk = 2, 131072, 64, 128, 2048
+    r = cache_ranges(torch.arange(S - T, S, device=DEVICE), torch.tensor([0, 70000], device=DEVICE), S)
+    assert it.launch_config(B, T, S, n, d, topk, causal=False, sms=132, interpret=False).split
+    q, k, w = _ints(B, T, n, d, dtype=torch.bfloat16), _ints(B, S, d, dtype=torch.bfloat16), _ints(B, T, n)
+    assert torch.equal(it.indexer_topk_triton(q, k, w, r.lo, r.hi, topk=topk),
+                       lightning_index.indexer_topk_blocked(q, k, w, r.lo, r.hi, topk=topk))
+    q, k, w = _bf16(B, T, S, n, d)
+    _assert_valid_topk(it.indexer_topk_triton(q, k, w, r.lo, r.hi, topk=topk), q, k, w, r.lo, r.hi, topk)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_replays_in_a_cuda_graph():
+    """The decode path captured once in a CUDA graph (no host read of lo/hi) and replayed after the ranges move
+    in place, as a decode step's do: every replay equals an eager call on the new ranges."""
+    B, T, S, n, d, topk = 2, 1, 32768, 64, 128, 2048
+    q, k, w = _bf16(B, T, S, n, d)
+    lo = torch.zeros(B, T, dtype=torch.int64, device=DEVICE)
+    hi = torch.full((B, T), 100, dtype=torch.int64, device=DEVICE)
+    it.indexer_topk_triton(q, k, w, lo, hi, topk=topk)                 # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = it.indexer_topk_triton(q, k, w, lo, hi, topk=topk)
+    for step in (3000, 17000, S):
+        hi.fill_(step)
+        lo[1] = step // 3
+        graph.replay()
+        assert torch.equal(out, it.indexer_topk_triton(q, k, w, lo, hi, topk=topk))
