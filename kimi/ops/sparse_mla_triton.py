@@ -348,15 +348,15 @@ def head_tiles(H: int, widest: int) -> tuple[int, ...]:
 
 def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
                dtype: torch.dtype = torch.bfloat16) -> FwdConfig:
-    """The forward's launch for a shape. 16-bit: 32-head tiles (96 heads: three, no padding; the [32, 512] fp32
-    accumulator is 64 registers a thread at 8 warps), 64 slots a step in two stages (two [64, 576] bf16 tiles of
+    """The forward's launch for a shape. 16-bit: 32-head tiles (96 heads: three, no padding), 4 warps (the
+    H200 sweep of tests/bench/sparse_tune.py: 14.3 ms at T = 8K against 21.9 ms with 8), 64 slots a step in two stages (two [64, 576] bf16 tiles of
     gathered rows, 144 KB, fit beside q), the value columns whole. fp32 (the parity path; its IEEE dots run on FMA
     units with fp32 operands staged in shared memory): 16-head tiles, 32 slots, one stage. Key splits when the
     (query, head tile) programs would not fill the GPU twice over, each split at least two steps long."""
     if dtype == torch.float32:
         cfg = FwdConfig(heads=head_tiles(H, 16), block_k=32, num_stages=1)
     else:
-        cfg = FwdConfig(heads=head_tiles(H, 32), block_k=32 if k <= 32 else 64)
+        cfg = FwdConfig(heads=head_tiles(H, 32), block_k=32 if k <= 32 else 64, num_warps=4)
     programs = B * T * len(cfg.heads)
     target = 2 * sm_count(device)
     if 0 < programs < target and k > 2 * cfg.block_k:
@@ -367,13 +367,14 @@ def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.d
 
 def bwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
                dtype: torch.dtype = torch.bfloat16) -> BwdConfig:
-    """The backward's launch for a shape. 16-bit: the dq kernel in 32-head tiles, 32 slots a step (its [32, 576]
+    """The backward's launch for a shape. 16-bit, 4 warps (the H200 sweep: 73.8 ms at T = 8K against 104.0 ms with
+    8): the dq kernel in 32-head tiles, 32 slots a step (its [32, 576]
     fp32 dq is 72 registers a thread at 8 warps; 64 slots would add shared memory and spills); the dkv kernel 32
     slots a program (a [32, 576] fp32 accumulator: 64 slots would spill heavily, 16 would double the re-reads of
     q and do, 2·H·(D + d_v) bytes per program) and 32 heads a step. fp32: 16 everywhere, one stage."""
     if dtype == torch.float32:
         return BwdConfig(heads=head_tiles(H, 16), block_k=16, dkv_block_k=16, dkv_block_h=16, num_stages=1)
-    return BwdConfig(heads=head_tiles(H, 32), block_k=32)
+    return BwdConfig(heads=head_tiles(H, 32), block_k=32, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------- entries

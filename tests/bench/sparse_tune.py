@@ -1,0 +1,108 @@
+"""Launch-configuration sweep of the Triton sparse-attention and indexer kernels at one shape (run once per tuning
+round; the chosen configurations are then fixed in `fwd_config`, `bwd_config` and `launch_config`).
+
+    PYTHONPATH=. python tests/bench/sparse_tune.py --tokens 8192
+
+Each configuration is compiled, checked against the default configuration's output (relative error; the indexer:
+identical selections) and timed (median of 3 after a warm-up). A configuration that does not compile or does not
+fit (shared memory, registers) prints its error and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kimi.ops import indexer_triton as it  # noqa: E402
+from kimi.ops import sparse_mla_triton as sm  # noqa: E402
+from kimi.ops.registry import sm_count  # noqa: E402
+from sparse_kernels import causal_selection, rel  # noqa: E402
+
+
+def timed(fn, iters=3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def sweep(name, configs, run, check):
+    print(f"\n{name}\n| config | ms | check |\n|---|---|---|", flush=True)
+    for cfg in configs:
+        try:
+            ms = timed(lambda: run(cfg))
+            print(f"| {cfg} | {ms:.2f} | {check(run(cfg))} |", flush=True)
+        except Exception as e:   # a configuration that does not compile or fit: report it, go on
+            print(f"| {cfg} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |", flush=True)
+            torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--parts", nargs="*", default=["fwd", "bwd", "indexer"])
+    a = ap.parse_args()
+    T, H, k, D, DV = a.tokens, 96, 2048, 576, 512
+    dev = torch.device("cuda")
+    scale = 192 ** -0.5
+    q = (torch.randn(1, T, H, D, device=dev) * 0.5).bfloat16()
+    lat = torch.randn(1, T, D, device=dev).bfloat16()
+    idx = causal_selection(T, k, dev)
+    do = torch.randn(1, T, H, DV, device=dev).bfloat16()
+    F, B = sm.FwdConfig, sm.BwdConfig
+    t32, t64 = (32, 32, 32), (64, 32)
+    if "fwd" in a.parts:
+        ref = sm.sparse_mla_fwd_triton(q, lat, idx, scale=scale, d_v=DV)[0]
+        configs = [F(t32, 64, 1, 1, 4, 2), F(t32, 64, 1, 1, 8, 2), F(t32, 64, 1, 1, 4, 3), F(t32, 128, 1, 1, 4, 2),
+                   F(t32, 128, 1, 1, 4, 1), F(t32, 64, 1, 1, 2, 2), F((16,) * 6, 64, 1, 1, 4, 3),
+                   F((16,) * 6, 128, 1, 1, 4, 2), F(t64, 64, 1, 1, 4, 2), F(t64, 32, 1, 1, 4, 2),
+                   F(t32, 64, 2, 1, 4, 2)]
+        sweep(f"forward, T = {T:,}", configs,
+              lambda c: sm.sparse_mla_fwd_launch(q, lat, idx, scale=scale, d_v=DV, cfg=c)[0],
+              lambda o: f"{rel(o, ref):.1e}")
+    if "bwd" in a.parts:
+        o, lse = sm.sparse_mla_fwd_triton(q, lat, idx, scale=scale, d_v=DV)
+        ref = sm.sparse_mla_bwd_triton(q, lat, idx, o, lse, do, None, scale=scale, d_v=DV)
+        base = B(t32, num_warps=4)
+        r = functools.partial(dataclasses.replace, base)
+        configs = [base, r(num_warps=8), r(block_k=64), r(fused_dkv=True), r(fused_dkv=True, block_k=64),
+                   r(num_stages=3), r(dkv_block_h=16), r(dkv_block_k=64), r(block_k=64, num_stages=3),
+                   r(num_warps=2), r(heads=(16,) * 6)]
+        sweep(f"backward, T = {T:,}", configs,
+              lambda c: sm.sparse_mla_bwd_launch(q, lat, idx, o, lse, do, None, scale=scale, d_v=DV, cfg=c),
+              lambda g: f"dq {rel(g[0], ref[0]):.1e}, dlatent {rel(g[1], ref[1]):.1e}")
+    if "indexer" in a.parts:
+        qi = torch.randn(1, T, 64, 128, device=dev).bfloat16()
+        ki = torch.randn(1, T, 128, device=dev).bfloat16()
+        w = torch.randn(1, T, 64, device=dev) * (64 ** -0.5 * 128 ** -0.5)
+        lo = torch.zeros(1, T, dtype=torch.long, device=dev)
+        hi = torch.arange(1, T + 1, device=dev)[None]
+        base = it.launch_config(1, T, T, 64, 128, k, causal=True, sms=sm_count(dev), interpret=False)
+        ref = it.indexer_topk_launch(qi, ki, w, lo, hi, topk=k, causal=True, config=base)
+
+        def launch(bm, bn, warps, stages):
+            return base._replace(block_q=bm, block_k=bn, chunk=max(256, 2048 // bm), num_warps=warps,
+                                 num_stages=stages, programs=min(T // bm, 2 * sm_count(dev)))
+        configs = [launch(4, 128, 4, 1), launch(4, 128, 4, 2), launch(2, 128, 4, 2), launch(8, 128, 4, 2),
+                   launch(4, 64, 4, 2), launch(4, 128, 8, 2), launch(8, 64, 4, 2), launch(8, 128, 8, 2),
+                   launch(4, 128, 4, 3), launch(16, 64, 4, 2)]
+        sweep(f"indexer, T = {T:,}", configs,
+              lambda c: it.indexer_topk_launch(qi, ki, w, lo, hi, topk=k, causal=True, config=c),
+              lambda s: f"{float((s == ref).all(-1).float().mean()):.1%} rows identical")
+
+
+if __name__ == "__main__":
+    main()
