@@ -124,6 +124,9 @@ def _op_samples():
         "kda_step": (k_ops.kda_step.default, (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0), dict(scale=0.3)),
         "indexer_topk": (k_ops.indexer_topk.default, (r(B, 3, 2, 8), r(B, T, 8), r(B, 3, 2), rg.lo[:, 3:],
                                                       rg.hi[:, 3:]), dict(topk=4, block=2)),
+        "indexer_topk_triton": (k_ops.indexer_topk_triton.default,
+                                (*f32s((r(B, 3, 2, 8), r(B, T, 8), r(B, 3, 2))), rg.lo[:, 3:], rg.hi[:, 3:]),
+                                dict(topk=4)),
         "sparse_mla_eager": (k_ops.sparse_mla_eager.default, (qm, c, kpe, kvb, rg.mask(T), idx),
                              dict(scale=cfg.softmax_scale)),
         "sparse_mla_sdpa": (k_ops.sparse_mla_sdpa.default, (qm[:, 3:], c, kpe, kvb, vis, None),
@@ -141,6 +144,14 @@ def _op_samples():
         "sparse_mla_gather_bwd": (k_ops.sparse_mla_gather_bwd.default,
                                   (qg, latent, gidx, *k_ops.sparse_mla_gather(qg, latent, gidx, scale=0.3, d_v=8),
                                    r(B, T, 2, 8), r(B, T, 2)), dict(scale=0.3, d_v=8, block=2)),
+        "sparse_mla_triton": (k_ops.sparse_mla_triton.default, (*f32s((qg, latent)), gidx), dict(scale=0.3, d_v=8)),
+        "sparse_mla_triton_bwd": (k_ops.sparse_mla_triton_bwd.default,
+                                  (*f32s((qg, latent)), gidx,
+                                   *k_ops.sparse_mla_triton(*f32s((qg, latent)), gidx, scale=0.3, d_v=8),
+                                   *f32s((r(B, T, 2, 8), r(B, T, 2)))), dict(scale=0.3, d_v=8)),
+        "sparse_mla_triton_ranges": (k_ops.sparse_mla_triton_ranges.default,
+                                     (*f32s((qm, lat, kvb)), rg.lo, rg.hi, idx),
+                                     dict(scale=cfg.softmax_scale, span=T, causal=True, block=4)),
         "moe_experts_dense": (k_ops.moe_experts_dense.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=25.0)),
         "moe_experts_grouped": (k_ops.moe_experts_grouped.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=None)),
         "moe_experts_gemv": (k_ops.moe_experts_gemv.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=25.0)),
@@ -160,7 +171,8 @@ def test_every_registered_op_is_covered():
 def test_opcheck(name):
     op, args, kwargs = _op_samples()[name]
     args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() and name not in
-                 ("indexer_topk", "kda_chunk_opaque_bwd", "kda_states_bwd", "sparse_mla_gather_bwd") else a
+                 ("indexer_topk", "indexer_topk_triton", "kda_chunk_opaque_bwd", "kda_states_bwd",
+                  "sparse_mla_gather_bwd", "sparse_mla_triton_bwd") else a
                  for a in args)
     if name == "kda_chunk_opaque_bwd":
         # It differentiates through torch.func.vjp, whose wrapper tensors opcheck's checkers (dispatch modes that

@@ -63,6 +63,12 @@ def test_resolve_on_a_gpu(monkeypatch):
     got = ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, tokens=ops.GEMV_MAX_TOKENS + 1)
     assert got == Backend(attn="sdpa", mla_form="expanded", kda="chunk_triton", moe="grouped")
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.float64, tokens=1).kda == "chunk"
+    n = ops.DENSE_MASK_MAX_KEYS + 1      # long rows: the Triton sparse kernels, in bf16 and fp16, without a cache
+    long = dict(device=CUDA, queries=n, keys=n)
+    assert ops.resolve(Backend(), dtype=torch.bfloat16, **long).attn == "triton"
+    assert ops.resolve(Backend(), dtype=torch.float32, **long).attn == "gather"
+    assert ops.resolve(Backend(), dtype=torch.bfloat16, cached=True, **long).attn == "gather"
+    assert ops.resolve(Backend(), dtype=torch.bfloat16, every_candidate=True, **long).attn == "gather"
     monkeypatch.setattr(ops, "triton_available", lambda device: False)
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, tokens=1).moe == "grouped"
 

@@ -82,10 +82,11 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
 
     - kda: 'chunk_triton' on a CUDA device with Triton (not for float64); 'chunk_opaque' while torch.compile
       traces on a CPU (Inductor's CPU code generation for the traced chunk algebra takes minutes); else 'chunk'.
-    - attn: 'gather' without a cache for more than `DENSE_MASK_MAX_KEYS` keys or when every candidate is attended
-      (`every_candidate`: documents no longer than index_topk, or no indexer); with a cache for more than 8,192
-      keys or `DENSE_MASK_MAX_PAIRS_CACHED` (query, key) pairs; unless mla_form='expanded' is asked for.
-      Otherwise 'sdpa' for the expanded form and 'eager' for the absorbed one.
+    - attn: without a cache for more than `DENSE_MASK_MAX_KEYS` keys 'triton' (a CUDA device with Triton, bf16 or
+      fp16) or 'gather', and 'gather' when every candidate is attended (`every_candidate`: documents no longer than
+      index_topk, or no indexer); with a cache 'gather' for more than 8,192 keys or
+      `DENSE_MASK_MAX_PAIRS_CACHED` (query, key) pairs; unless mla_form='expanded' is asked for. Otherwise 'sdpa'
+      for the expanded form and 'eager' for the absorbed one.
     - mla_form: 'absorbed' for attn='gather' or 'triton' and with a decode cache (attention over the cached 576-wide latents,
       nothing re-expanded), 'expanded' without one (or with attn='sdpa').
     - moe: 'gemv' for at most `GEMV_MAX_TOKENS` tokens on a CUDA device with Triton; 'grouped' for
@@ -106,7 +107,10 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
             dense = keys <= DENSE_MASK_MAX_SLOTS_CACHED and (queries or 1) * keys <= DENSE_MASK_MAX_PAIRS_CACHED
         else:
             dense = keys <= DENSE_MASK_MAX_KEYS and not every_candidate
-        attn = attn if dense else "gather"
+        # Without a cache the Triton kernels beat the torch gather at every length measured (an H200 layer:
+        # docs/performance.md#triton-sparse-kernels); with one, decoding on them is not measured yet.
+        kernels = not cached and not every_candidate and triton_here and dtype in (torch.bfloat16, torch.float16)
+        attn = attn if dense else ("triton" if kernels else "gather")
     if form == "auto":
         form = "absorbed" if attn in ("gather", "triton") or (cached and attn != "sdpa") else "expanded"
     if attn == "auto":

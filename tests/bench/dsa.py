@@ -9,6 +9,8 @@ kv rank 512, indexer 64 x 128 choosing 2,048 keys), B = 1, bf16, random weights,
 
 - `gather`: `Backend(attn="gather")`, ranges instead of masks: blocked indexer top-k, attention over the gathered
   latents in the absorbed form;
+- `triton`: `Backend(attn="triton")`, the same path with the Triton indexer (streaming top-k) and the Triton
+  sparse attention forward and backward;
 - `gather, documents of 2,048`: the same layer on packed documents of index_topk tokens with the bound passed
   (`max_document_len`): no indexer, dense document-causal attention over a key window per query block;
 - `sdpa (dense mask)`: the expanded form through SDPA with a [T, T] mask, the path `attn="auto"` took for every
@@ -106,11 +108,14 @@ def layer_rows(a, cfg, device):
             y.backward(dy)
             return y, xg.grad
 
-        paths = [("gather", kimi.Backend(attn="gather"), one_doc, None),
+        paths = [("triton", kimi.Backend(attn="triton"), one_doc, None),
+                 ("gather", kimi.Backend(attn="gather"), one_doc, None),
                  (f"gather, documents of {k:,}", kimi.Backend(attn="gather"), short_doc, k)]
         if T <= a.max_sdpa:
             paths.append(("sdpa (dense mask)", kimi.Backend(attn="sdpa", mla_form="expanded"), one_doc, None))
         for name, backend, doc, span in paths:
+            if a.paths and name.split(",")[0].split(" ")[0] not in a.paths:
+                continue
             fwd = attempt(lambda: run(backend, doc, span, False), device, iters)
             bwd = attempt(lambda: run(backend, doc, span, True), device, iters)
             for leaf in (v for _, v in kimi.params.tree_items(p)):
@@ -125,7 +130,7 @@ def layer_rows(a, cfg, device):
         bwd = attempt(lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True).backward(do), device, iters)
         print(f"| {T:,} | dense causal flash attention (attention alone) | {_cell(fwd)} | {_cell(bwd)} |", flush=True)
         del q, kk, v, do
-        if n == 0 and T <= a.max_sdpa:
+        if n == 0 and T <= a.max_sdpa and not a.paths:
             y_g, dx_g = run(kimi.Backend(attn="gather"), one_doc, None, True)
             y_s, dx_s = run(kimi.Backend(attn="sdpa", mla_form="expanded"), one_doc, None, True)
             print(f"\nT = {T:,}: gather vs sdpa (bf16, same selection): output rel. error {_rel(y_g, y_s):.2e}, input "
@@ -172,6 +177,8 @@ def main():
     ap.add_argument("--preset", default="k3_1_pro")
     ap.add_argument("--tokens", type=int, nargs="*", default=[8192, 32768, 65536, 131072])
     ap.add_argument("--max-sdpa", type=int, default=32768, help="longest T for the dense-mask row (64K: OOM)")
+    ap.add_argument("--paths", nargs="*", default=[], choices=["triton", "gather", "sdpa"],
+                    help="layer rows to run (default: all); 'gather' includes its short-document row")
     ap.add_argument("--prefill", type=int, nargs="*", default=[131072, 32768])
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     a = ap.parse_args()
