@@ -220,8 +220,9 @@ class ModelConfig:
         text = dict(text)
         if "torch_dtype" in text and "dtype" not in text:
             text["dtype"] = text["torch_dtype"]
-        if "dtype" not in text and "dtype" in source:
-            text["dtype"] = source["dtype"]
+        for key in ("dtype", "max_position_embeddings"):      # the wrapper may carry them for the text model
+            if key not in text and key in source:
+                text[key] = source[key]
         la = text.get("linear_attn_config")
         if la is None:
             # The reference implementation's fallback when the key is absent: K3's pattern and KDA sizes.

@@ -144,6 +144,11 @@ def test_cli_warns_past_the_trained_context(tmp_path):
     cfg = dataclasses.replace(CFG, max_position_embeddings=8)
     kimi.save_checkpoint(path, cfg, kimi.init_params(cfg, seed=0))
     assert kimi.load_checkpoint(path)[0].max_position_embeddings == 8
+    import json
+    config = json.loads((path / "config.json").read_text())        # a user's edit: the wrapper's top level
+    config.get("text_config", config).pop("max_position_embeddings")
+    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 8}))
+    assert kimi.load_checkpoint(path)[0].max_position_embeddings == 8
     err = io.StringIO()
     gen.run(gen.Args(checkpoint=path, prompt="abc", max_new_tokens=4, ignore_stop=True, bos=False), io.StringIO(),
             err)
