@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,26 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kimi.ops import indexer_triton as it  # noqa: E402
 from kimi.ops import sparse_mla_triton as sm  # noqa: E402
 from kimi.ops.registry import sm_count  # noqa: E402
-from sparse_kernels import causal_selection, rel  # noqa: E402
-
-
-def timed(fn, iters=3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2] * 1e3
+from sparse_kernels import causal_selection, measure, rel  # noqa: E402
 
 
 def sweep(name, configs, run, check):
     print(f"\n{name}\n| config | ms | check |\n|---|---|---|", flush=True)
     for cfg in configs:
         try:
-            ms = timed(lambda: run(cfg))
+            ms = measure(lambda: run(cfg), 3)[0]
             print(f"| {cfg} | {ms:.2f} | {check(run(cfg))} |", flush=True)
         except Exception as e:   # a configuration that does not compile or fit: report it, go on
             print(f"| {cfg} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |", flush=True)
