@@ -227,8 +227,10 @@ def _closing(tok: Tokenizer, reply: list[int], opened: str) -> list[int]:
     is_open = lambda ch: text.rfind(f"{OPEN}{ch}{SEP}") > text.rfind(f"{CLOSE}{ch}{SEP}")
     tail = ""
     if is_open("think"):
-        tail += f"{CLOSE}think{SEP}{OPEN}response{SEP}"
-    if is_open("think") or is_open("response"):
+        tail += f"{CLOSE}think{SEP}"
+    if f"{OPEN}response{SEP}" not in text:        # a thinking reply always carries its response channel
+        tail += f"{OPEN}response{SEP}"
+    if is_open("think") or is_open("response") or f"{OPEN}response{SEP}" not in text:
         tail += f"{CLOSE}response{SEP}"
     return tok.encode(tail + f"{CLOSE}message{SEP}{END_OF_MSG}", allow_special=True)
 
@@ -276,7 +278,8 @@ def chat(a: Args, params: dict, cfg: kimi.ModelConfig, tok: Tokenizer, compile: 
         out.write(decoder.decode(b"", final=True) + "\n")
         out.flush()
         first = False
-        pending = [] if res.stopped[0] else _closing(tok, res.tokens[0], opened)
+        ended = res.tokens[0][-1:] == [tok.end_of_msg_id]     # not a cut reply, nor another --stop-ids hit
+        pending = [] if ended else _closing(tok, res.tokens[0], opened)
         print(f"({len(conv.tokens):,} of {max_len:,} tokens; {res.report().replace(chr(10), '; ')})", file=err)
     return res
 

@@ -159,8 +159,9 @@ class TrainConfig:
     micro-batch's activations, gradients and optimizer state would not fit the free memory
     (`kimi.training.recompute_wanted`), else none."""
     attn: Literal["auto", "eager", "sdpa", "gather", "triton"] = "auto"
-    """Gated MLA's attention (`kimi.Backend.attn`); auto: 'gather' (from key ranges, nothing of size T×T) when every
-    document fits in index_topk (dense attention, no indexer) or past 32,768 tokens, else SDPA with a dense mask."""
+    """Gated MLA's attention (`kimi.Backend.attn`); auto: from key ranges, nothing of size T×T, past 32,768 tokens
+    ('triton', the Triton indexer and sparse attention, on a GPU in bf16; 'gather' otherwise) and when every
+    document fits in index_topk ('gather': dense attention, no indexer), else SDPA with a dense mask."""
     kda: Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"] = "auto"
     """The KDA core (`kimi.Backend.kda`); auto: 'chunk_triton' on a GPU with Triton (the chunk-to-chunk state pass
     one kernel each way instead of a scan of small matmuls), 'chunk_opaque' when compiling on the CPU (a fraction of

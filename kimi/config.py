@@ -262,8 +262,8 @@ class Backend:
     form; documents of at most index_topk tokens run as dense document-causal attention without the indexer) or
     'triton' (the 'gather' path with the attention over the selected latents in Triton kernels, 96 heads native;
     a CUDA device, or the interpreter).
-    'auto' picks 'gather' past 32,768 keys without a cache, for short documents, and for caches of more than
-    8,192 slots (docs/architecture.md#backends)."""
+    'auto' picks 'triton' past 32,768 keys without a cache on a GPU in bf16/fp16 ('gather' elsewhere), 'gather'
+    for short documents and for caches of more than 8,192 slots (docs/architecture.md#backends)."""
     mla_form: MLAForm = "auto"
     """'expanded' (per-head K/V through kv_b_proj) or 'absorbed' (kv_b_proj folded into the query and the
     output: attention over the 576-wide shared latent, the form sparse kernels and decoding use)."""

@@ -174,7 +174,7 @@ class Metrics:
             return
         kept = []
         if resumed_at is not None and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines() if json.loads(ln)["step"] <= resumed_at]
+            kept = [ln for ln in self.path.read_text().splitlines() if _step_of(ln, resumed_at + 1) <= resumed_at]
         self.path.write_text("".join(ln + "\n" for ln in kept))
         if tensorboard:
             self.writer = _summary_writer(Path(folder) / TENSORBOARD_DIR,
@@ -197,6 +197,14 @@ class Metrics:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _step_of(line: str, default: int) -> int:
+    """A metrics row's step; `default` for a line that is not a row (one cut short by a killed process)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return default
 
 
 class Interrupted(Exception):

@@ -1,9 +1,9 @@
 """The training checkpoint (docs/checkpoints.md#training-checkpoints), written through `torch.distributed.checkpoint`
 (DCP) so that every process writes its own shards and a run resumes at another number of processes:
 
-    out/ckpt-NNNNNN/__R_0.distcp   the tensors process R holds: the trained leaves ("params.<name>") and AdamW's
-                                   state ("optimizer.<name>.<key>"), each shard once (DTensors by their shards,
-                                   replicated tensors by process 0)
+    out/ckpt-NNNNNN/__R_0.distcp   tensors written by process R: the trained leaves ("params.<name>") and AdamW's
+                                   state ("optimizer.<name>.<key>"), each piece once (DTensors by their shards,
+                                   replicated tensors by one process, DCP balancing them)
     out/ckpt-NNNNNN/.metadata      DCP's index of those shards (DCP writes it with pickle)
     out/ckpt-NNNNNN/trainer.json   the step, the data position, the RNG states, the count of skipped steps and the
                                    run's config, as JSON
@@ -54,8 +54,8 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     kind, key, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.array(key, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([bytes_of(s) for s in state["cuda"]])
+    if "cuda" in state and torch.cuda.is_available():     # the devices this process sees (a resume may see fewer)
+        torch.cuda.set_rng_state_all([bytes_of(s) for s in state["cuda"]][:torch.cuda.device_count()])
 
 
 def _lists(x):

@@ -147,10 +147,11 @@ def make_loss(compile_scope: str | None = None, *, recompute: bool = False, mast
 
 
 ACTIVATION_BYTES = 220
-"""Bytes of saved activations per token, per decoder layer, per unit of `hidden_size`, of a bf16 training step
-without recomputation: measured on the H200 at the release's widths with every token routed to 8 experts
-(docs/performance.md#activation-checkpointing: 23.5 GiB for 1 × 4096 tokens and 4 layers). The release routes to
-16, so its true figure is higher; `recompute_wanted` leaves a margin."""
+"""Bytes of activations per token, per decoder layer, per unit of `hidden_size` that a bf16 training step keeps
+without recomputation: the memory recomputing every layer freed on the H200 at the release's widths with every
+token routed to 8 experts (docs/performance.md#activation-checkpointing: 23.5 GiB for 1 × 4096 tokens and 4
+layers; recomputation still keeps one layer's activations and every layer's input, so the true figure is somewhat
+higher, and higher again with the release's 16 experts a token). `recompute_wanted`'s estimate, with a margin."""
 
 
 def recompute_wanted(cfg: ModelConfig, tokens: int, device: torch.device, *, trainable: int) -> bool:

@@ -136,6 +136,8 @@ def test_cli_closes_a_cut_reply():
     assert close(f"done{gen.CLOSE}think{gen.SEP}{gen.OPEN}response{gen.SEP}the ans", "think") == \
         f"{gen.CLOSE}response{gen.SEP}{end}"
     assert close("an answer", "response") == f"{gen.CLOSE}response{gen.SEP}{end}"
+    assert close(f"done{gen.CLOSE}think{gen.SEP}", "think") == f"{gen.OPEN}response{gen.SEP}{gen.CLOSE}response" \
+                                                             f"{gen.SEP}{end}"   # the response channel is never left out
 
 
 def test_cli_warns_past_the_trained_context(tmp_path):

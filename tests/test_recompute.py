@@ -106,16 +106,20 @@ def group():
     dist.destroy_process_group()
 
 
-def test_recomputed_fsdp_units(group):
+def test_recomputed_fsdp_units(group, monkeypatch):
     """Inside the FSDP2 layer units (casts and adapters in the recomputed region): the single-process loss and
-    gradients."""
+    gradients, and the layers really recomputed (the router runs twice)."""
     cfg, params, adapters, kw = _setup()
     batch = _batch(cfg)
     want = _grads(loss_sum, params, adapters, batch, kw)
     copy = tree_map(lambda _, p: torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad), params)
     root = build_fsdp(copy, {}, **kw, compile_units=False, recompute=True)
+    calls, route = [], moe.route
+    monkeypatch.setattr(moe, "route", lambda *a, **k: (calls.append(1), route(*a, **k))[1])
     loss = root(*batch)
+    forward_calls = len(calls)
     loss.backward()
+    assert forward_calls >= 1 and len(calls) == 2 * forward_calls
     assert rel_err(loss.detach(), want[0]) < 1e-6
     got = {n: p.grad for n, p in sharded_trainable_named(root).items() if p.grad is not None}
     assert got.keys() == want[1].keys()

@@ -190,7 +190,7 @@ def test_bad_data_is_a_one_line_error(setup, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- two processes
 
-def test_fsdp_two_processes_match_one_and_resume_at_either_count(setup, tmp_path):
+def test_fsdp_two_processes_match_one_and_resume_at_either_count(setup, tmp_path, capsys):
     """torchrun with 2 CPU processes (gloo, FSDP2) against one process on the same global batch: the 2-process run
     stops after 2 of 4 steps (each process writes its DCP shards), then resumes once in 1 process and once in 2.
     Both give the straight 1-process run's losses, gradient norms and final weights."""
@@ -206,6 +206,7 @@ def test_fsdp_two_processes_match_one_and_resume_at_either_count(setup, tmp_path
                             str(ROOT / "train.py"), *args, *extra], env=env, capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r.stdout
 
     one, two, two_again = tmp_path / "one", tmp_path / "two", tmp_path / "two_again"
     train.main([*args, "--out", str(one)])
@@ -215,7 +216,8 @@ def test_fsdp_two_processes_match_one_and_resume_at_either_count(setup, tmp_path
     assert sorted(p.name for p in runs.latest_complete(two).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     shutil.copytree(two, two_again)
     train.main([*args, "--out", str(two), "--resume"])                # 2 -> 1 process
-    torchrun("--out", str(two_again), "--resume")                     # 2 -> 2 processes
+    assert "ckpt-000002 at step 2" in capsys.readouterr().out          # resumed, not restarted
+    assert "ckpt-000002 at step 2" in torchrun("--out", str(two_again), "--resume")     # 2 -> 2 processes
     _, p0 = kimi.load_checkpoint(ckpt)
     p0 = dict(tree_items(p0))
     _, pa = kimi.load_checkpoint(one / "model")

@@ -148,9 +148,13 @@ def indexer_topk(q: Tensor, k: Tensor, w: Tensor, ranges: KeyRanges, *, topk: in
                  backend: Backend | None = None) -> Tensor:
     """Indexer scores and top-k (docs/numerics.md#top-k): q [B, T, n, d], k [B, S, d], w [B, T, n] (scales
     folded in), the queries' candidate ranges. Returns int32 [B, T, topk]: valid key positions ascending, then -1.
-    With `Backend(attn="triton")` the Triton kernel (streaming top-k, no score buffer; not for float64), else the
-    blocked torch op, queries in blocks of `QUERY_BLOCK` (no T×S score buffer either)."""
-    if backend is not None and backend.attn == "triton" and q.dtype != torch.float64:
+    Where `backend` resolves to attn="triton" (asked for, or "auto" on long rows: `resolve`) the Triton kernel
+    (streaming top-k, no score buffer; not for float64), else the blocked torch op, queries in blocks of
+    `QUERY_BLOCK` (no T×S score buffer either)."""
+    kernels = backend is not None and q.dtype != torch.float64 and resolve(
+        backend, device=q.device, dtype=q.dtype, cached=not ranges.causal, queries=q.shape[1], keys=k.shape[1]
+    ).attn == "triton"      # "auto" too: the rule that sends the attention to the Triton kernels
+    if kernels:
         return torch.ops.kimi.indexer_topk_triton.default(q, k, w, ranges.lo, ranges.hi, topk=topk,
                                                           causal=ranges.causal)
     return torch.ops.kimi.indexer_topk.default(q, k, w, ranges.lo, ranges.hi, topk=topk, causal=ranges.causal,
