@@ -325,14 +325,23 @@ def train(cfg: TrainConfig) -> dict:
                    max_document_len=longest or None)
     named = trainable_named(params, adapters)
     n_params = sum(p.numel() for p in named.values())
+    tokens = cfg.micro_batch_size * cfg.data.seq_len
     recompute = cfg.activation_checkpointing == "layers" or (
-        cfg.activation_checkpointing == "auto" and recompute_wanted(model_cfg, cfg.micro_batch_size * cfg.data.seq_len,
-                                                                    device, trainable=-(-n_params // world)))
+        cfg.activation_checkpointing == "auto" and world == 1 and
+        recompute_wanted(model_cfg, tokens, device, trainable=n_params))
     root = None
     if world > 1:   # the FSDP root's call is the micro-batch loss; the optimizer steps its sharded leaves
         root = build_fsdp(params, adapters, **step_kw, compile_units=use_compile, recompute=recompute)
         named = sharded_trainable_named(root)
         micro_loss = root
+        params = adapters = None          # the units hold the shards; the whole unsharded model is freed with this
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if cfg.activation_checkpointing == "auto":    # decided on the sharded model, the same on every process
+            want = torch.tensor([recompute_wanted(model_cfg, tokens, device, trainable=-(-n_params // world))],
+                                dtype=torch.int32, device=device)
+            dist.all_reduce(want, op=dist.ReduceOp.MAX)
+            recompute = root.ctx["recompute"] = bool(want.item())   # read by the layer units when they run
     else:
         micro_loss = functools.partial(make_loss(cfg.compile_scope if use_compile else None, recompute=recompute),
                                        params, adapters, **step_kw)

@@ -89,6 +89,10 @@ def check(folder: Path, config: dict, *, resume: bool, overwrite: bool, allowed:
         return []
     latest = latest_complete(folder)
     if latest is None:
+        if any((p / "state.pt").is_file() for p in checkpoints(folder)):
+            raise RunFolderError(f"--resume: the checkpoints in {folder} are of the old format (one pickled "
+                                 f"state.pt); this kimi writes and reads sharded ones ({STATE_FILE} and DCP shards), so "
+                                 "that run cannot be continued here")
         raise RunFolderError(f"--resume: no complete checkpoint in {folder}" + (f" (it holds {', '.join(held)})"
                                                                                 if held else ""))
     step = checkpoint_step(latest)

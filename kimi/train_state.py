@@ -151,25 +151,27 @@ def load_training_state(path: Path, named: dict[str, Tensor], opt: torch.optim.O
                          f"(missing {missing[:5]}, unexpected {extra[:5]}); same --model and --lora?")
     target = {f"params.{n}": p.detach() for n, p in named.items()}
     states: dict[str, dict[str, Tensor]] = {}
-    for n, p in named.items():
-        prefix = f"optimizer.{n}."
-        for k, meta in saved.items():
-            key = k.removeprefix(prefix)
-            if not k.startswith(prefix) or "." in key:
-                continue
-            if tuple(meta.size) == tuple(p.shape):       # moments: placed like the leaf (sharded under FSDP)
-                t = torch.empty_like(p.detach(), dtype=meta.properties.dtype)
-            elif len(meta.size) == 0:                    # AdamW's step counter
-                t = torch.zeros((), dtype=meta.properties.dtype)
-            else:
-                raise ValueError(f"{path}: optimizer state {n}.{key} has shape {list(meta.size)}, the leaf "
-                                 f"{list(p.shape)}")
-            states.setdefault(n, {})[key] = target[k] = t
+    for k, meta in saved.items():
+        if not k.startswith("optimizer."):
+            continue
+        n, key = k.removeprefix("optimizer.").rsplit(".", 1)      # state keys hold no dot; names may
+        p = named.get(n)
+        if p is None:
+            raise ValueError(f"{path}: optimizer state for {n!r}, which this run does not train")
+        if key == "step":                                 # AdamW's step counter, a scalar
+            t = torch.zeros((), dtype=meta.properties.dtype)
+        elif tuple(meta.size) == tuple(p.shape):          # moments: placed like the leaf (sharded under FSDP)
+            t = torch.empty_like(p.detach(), dtype=meta.properties.dtype)
+        else:
+            raise ValueError(f"{path}: optimizer state {n}.{key} has shape {list(meta.size)}, the leaf "
+                             f"{list(p.shape)}")
+        states.setdefault(n, {})[key] = target[k] = t
     _quiet(dcp.load, target, checkpoint_id=path, no_dist=not _distributed())
     fused = bool(opt.defaults.get("fused"))
+    names = {id(p): n for n, p in named.items()}
     for group in opt.param_groups:
         for p in group["params"]:
-            name = next(n for n, q in named.items() if q is p)
+            name = names[id(p)]
             if name in states:
                 st = states[name]
                 if fused and "step" in st:                # the fused kernel reads the step on the leaf's device

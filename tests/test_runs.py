@@ -51,6 +51,10 @@ def test_resume_keeps_the_runs_settings(setup, tmp_path):
     (tmp_path / "half" / "ckpt-000003").mkdir(parents=True)       # a folder without its state: not resumable
     with pytest.raises(runs.RunFolderError, match="no complete checkpoint in .*ckpt-000003"):
         train.train(config(ckpt, corpus, tmp_path / "half", resume=True))
+    (tmp_path / "old" / "ckpt-000003").mkdir(parents=True)
+    (tmp_path / "old" / "ckpt-000003" / "state.pt").write_bytes(b"")          # a run of the pickled format
+    with pytest.raises(runs.RunFolderError, match="old format"):
+        train.train(config(ckpt, corpus, tmp_path / "old", resume=True))
     summary = train.train(config(ckpt, corpus, out, steps=5, resume=True, export=False))   # a longer run: allowed
     assert summary["steps"] == 5 and runs.latest_complete(out).name == "ckpt-000005"
     record = json.loads((out / "run.json").read_text())
