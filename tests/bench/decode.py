@@ -91,11 +91,12 @@ def fill_cache(cache: dict, context: int):
     cache["pos"].fill_(context)
 
 
-def decode_setup(cfg, params, B, context, max_len, device):
-    """A cache of max_len slots filled to `context`, the backend, one eager decode step and its input ids."""
+def decode_setup(cfg, params, B, context, max_len, device, attn: str = "auto"):
+    """A cache of max_len slots filled to `context`, the backend (`attn` as `kimi.Backend.attn`), one eager decode
+    step and its input ids."""
     cache = kimi.init_cache(cfg, B, max_len, dtype=params["model"]["embed_tokens"]["weight"].dtype, device=device)
     fill_cache(cache, context)
-    backend = kimi.Backend(mla_form="absorbed")
+    backend = kimi.Backend(attn=attn, mla_form="absorbed")
 
     def step(params, ids, cache):
         logits, _ = kimi.forward(params, ids, cfg, backend, cache=cache)
@@ -104,8 +105,8 @@ def decode_setup(cfg, params, B, context, max_len, device):
     return cache, backend, step, torch.randint(0, min(cfg.vocab_size, 256), (B, 1), device=device)
 
 
-def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "graph") -> float:
-    cache, backend, step, ids = decode_setup(cfg, params, B, context, context + steps + 8, device)
+def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "graph", attn: str = "auto") -> float:
+    cache, backend, step, ids = decode_setup(cfg, params, B, context, context + steps + 8, device, attn)
     if not compile:
         fn = step
     elif mode == "graph":      # what generate.py runs: regional compile, the whole step as one CUDA graph
@@ -159,6 +160,9 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--attn", default="auto", choices=["auto", "eager", "gather", "triton"],
+                    help="kimi.Backend.attn of the step (auto: the dense absorbed path up to 8,192 slots, then "
+                         "gather)")
     ap.add_argument("--mode", default="graph", choices=["graph", "whole"],
                     help="graph: generate.py's decode (regional compile + one captured CUDA graph); whole: one "
                          "torch.compile fullgraph of the step with mode='reduce-overhead'")
@@ -177,13 +181,14 @@ def main():
     compile = not a.no_compile and device.type == "cuda"
     rows = []
     for B in a.batch:
-        step = bench(cfg, params, B, a.context, a.steps, compile, device, a.mode)
+        step = bench(cfg, params, B, a.context, a.steps, compile, device, a.mode, a.attn)
         parts = floor_bytes(cfg, params, B, a.context)
         total = sum(parts.values())
         floor = total / bw
         rows.append((B, step, floor, parts, total))
     print()
-    print(f"context {a.context} tokens, {f'compiled ({a.mode}, CUDA graphs)' if compile else 'eager'}, bandwidth "
+    how = f"compiled ({a.mode}, CUDA graphs)" if compile else "eager"
+    print(f"context {a.context} tokens, attn {a.attn}, {how}, bandwidth "
           f"{bw / 1e12:.2f} TB/s")
     print("| batch | ms / step | tokens/s | floor ms | floor / step | weights GB | KDA state GB | MLA cache GB |")
     print("|---|---|---|---|---|---|---|---|")
