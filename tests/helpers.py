@@ -133,3 +133,30 @@ def undocumented_fields(cls) -> list[str]:
             if not (isinstance(doc, str) and len(doc) > 10):
                 missing.append(node.target.id)
     return missing
+
+
+class LargestTensor:
+    """A context manager that records the largest tensor any op creates while it is active: `.numel` (elements)
+    and `.bytes` (the "nothing of size T×S" checks)."""
+
+    def __init__(self):
+        self.numel = self.bytes = 0
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        record = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(o, torch.Tensor):
+                        record.numel = max(record.numel, o.numel())
+                        record.bytes = max(record.bytes, o.numel() * o.element_size())
+                return out
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)

@@ -13,6 +13,8 @@ from kimi.ops.lightning_index import topk_reference
 from kimi.ops.registry import tl, triton
 from kimi.ranges import cache_ranges, document_ranges, range_mask
 
+from helpers import LargestTensor
+
 pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -268,24 +270,12 @@ def test_launch_configs_and_memory():
 def test_allocates_nothing_of_size_t_by_s():
     """No tensor created during the call (workspaces, the interpreter's byte copies of the inputs) is as large as
     one [T, S] matrix of fp32 scores."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for o in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(o, torch.Tensor):
-                    Largest.largest = max(Largest.largest, o.numel() * o.element_size())
-            return out
-
     T = 96
     q, k, w = _inputs(1, T, T, n=2)
     t = torch.arange(T, device=DEVICE)[None]
-    with Largest():
+    with LargestTensor() as largest:
         idx = it.indexer_topk_triton(q, k, w, torch.zeros_like(t), t + 1, topk=8, causal=True)
-    assert 0 < Largest.largest < T * T * 4, Largest.largest
+    assert 0 < largest.bytes < T * T * 4, largest.bytes
     assert torch.equal(idx, _expected(q, k, w, torch.zeros_like(t), t + 1, 8, True))
 
 

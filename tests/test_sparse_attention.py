@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from helpers import rel_err, tiny, visible_of
+from helpers import LargestTensor, rel_err, tiny, visible_of
 from kimi.ops import IMPLEMENTATIONS, lightning_index
 from kimi.ops.lightning_index import topk_reference
 from kimi.ops.sparse_attention import select_visible
@@ -222,25 +222,13 @@ def test_blocked_indexer_topk_equals_the_masked_one(cached):
 def test_gather_path_allocates_nothing_of_size_t_by_s():
     """With T = S = 256 and blocks of 32 queries, no tensor the blocked indexer or the gathering attention (forward
     and backward) creates holds as many elements as one [T, S] matrix."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for o in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(o, torch.Tensor):
-                    Largest.largest = max(Largest.largest, o.numel())
-            return out
-
     T = S = 256
     q, latent = torch.randn(1, T, 2, 24, requires_grad=True), torch.randn(1, S, 24, requires_grad=True)
     qi, ki, wi = torch.randn(1, T, 2, 8), torch.randn(1, S, 8), torch.randn(1, T, 2)
     t = torch.arange(T)[None]
-    with Largest():
+    with LargestTensor() as largest:
         idx = lightning_index.indexer_topk_blocked(qi, ki, wi, torch.zeros_like(t), t + 1, topk=8, causal=True,
                                                    block=32)
         o, lse = torch.ops.kimi.sparse_mla_gather(q, latent, idx, scale=0.2, d_v=16, block=32)
         o.square().sum().backward()
-    assert 0 < Largest.largest < T * S, Largest.largest
+    assert 0 < largest.numel < T * S, largest.numel
