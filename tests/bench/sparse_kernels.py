@@ -94,13 +94,17 @@ def cudnn_dsa():
         return None
 
 
+def attention_inputs(T: int, H: int, k: int, dev) -> tuple[torch.Tensor, ...]:
+    """bf16 q [1, T, H, 576], latent [1, T, 576], a causal selection of k, the output gradient [1, T, H, 512]."""
+    q = (torch.randn(1, T, H, D, device=dev) * 0.5).bfloat16()
+    lat = torch.randn(1, T, D, device=dev).bfloat16()
+    return q, lat, causal_selection(T, k, dev), torch.randn(1, T, H, DV, device=dev).bfloat16()
+
+
 def attention_rows(T: int, H: int, k: int, iters: int, dsa) -> None:
     dev = torch.device("cuda")
     scale = 192 ** -0.5
-    q = (torch.randn(1, T, H, D, device=dev) * 0.5).bfloat16()
-    lat = torch.randn(1, T, D, device=dev).bfloat16()
-    idx = causal_selection(T, k, dev)
-    do = torch.randn(1, T, H, DV, device=dev).bfloat16()
+    q, lat, idx, do = attention_inputs(T, H, k, dev)
     pairs = int((idx >= 0).sum())
     f_fwd, f_bwd = 2 * H * pairs * (D + DV), 2 * H * pairs * (3 * D + 2 * DV)
     print(f"\nattention, T = {T:,}, H = {H}, top-{k}: {pairs:,} selected pairs; forward {f_fwd / 1e12:.2f} TFLOP, "

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kimi.ops import indexer_triton as it  # noqa: E402
 from kimi.ops import sparse_mla_triton as sm  # noqa: E402
 from kimi.ops.registry import sm_count  # noqa: E402
-from sparse_kernels import causal_selection, measure, rel  # noqa: E402
+from sparse_kernels import attention_inputs, measure, rel  # noqa: E402
 
 
 def sweep(name, configs, run, check):
@@ -42,13 +42,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--parts", nargs="*", default=["fwd", "bwd", "indexer"])
     a = ap.parse_args()
-    T, H, k, D, DV = a.tokens, 96, 2048, 576, 512
+    T, H, k, DV = a.tokens, 96, 2048, 512
     dev = torch.device("cuda")
     scale = 192 ** -0.5
-    q = (torch.randn(1, T, H, D, device=dev) * 0.5).bfloat16()
-    lat = torch.randn(1, T, D, device=dev).bfloat16()
-    idx = causal_selection(T, k, dev)
-    do = torch.randn(1, T, H, DV, device=dev).bfloat16()
+    q, lat, idx, do = attention_inputs(T, H, k, dev)
     F, B = sm.FwdConfig, sm.BwdConfig
     t32, t64 = (32, 32, 32), (64, 32)
     if "fwd" in a.parts:
