@@ -4,11 +4,13 @@ scores fused with a streaming top-k, so no [T, S] score buffer exists (docs/nume
 
     I[t, s] = Σ_j w[t, j] · ReLU(<q[t, j], k[s]>)       fp32 accumulation, over the candidates lo_t <= s < hi_t
 
-**Scores.** A program owns BM queries. Per step it loads one block of BN keys [d, BN] and, for each of its
-queries, takes the dot of the query's heads [n, d] with it ([n, BN], fp32 accumulation; bf16 products are exact),
-the ReLU, the head weights and the sum over heads: scores [BM, BN] in fp32. Keys are visited in ascending
+**Scores.** A task owns BM queries (a query block). Their heads form one [d, BM·n] operand, loaded once; per step
+the task loads a block of BN keys [BN, d] and takes one dot, [BN, d] x [d, BM·n] -> [BN, BM·n] (fp32 accumulation;
+bf16 products are exact): the keys are the MMA's M side, so the heads of a query lie along a row of the
+accumulator and the ReLU, the head weights and the sum over heads stay within a thread and its lane quad
+(a free reshape, no shared-memory round trip), giving the scores [BM, BN] in fp32. Keys are visited in ascending
 position, only within the block's [min lo, max hi) (and, without a cache, not past the block's last query): the
-causal half is never computed.
+causal half is never computed. A block whose rows all have at most topk candidates writes them without scores.
 
 **Order keys.** Each score becomes an int32 whose signed order is the order of the scores: NaN is mapped to +inf
 first (a NaN ranks above every number and ties with +inf, as `select_topk` ranks them) and -0 to +0 (equal scores,
@@ -16,27 +18,30 @@ equal keys). Every real key is above INT32_MIN, the "no threshold" value.
 
 **Streaming top-k.** Each query has a buffer of CAP >= topk + BN (key, position) pairs and a threshold. A scored
 key enters when it is a candidate and its key is strictly above the threshold, appended after the buffer's
-`count` entries (an exclusive prefix sum over the keep mask), so the buffer stays in ascending position order.
-Before a block could overflow a buffer holding more than topk entries, the buffer is compacted: the exact topk-th
-largest key V is found by bisection between the threshold and the largest key (counting keys >= mid in chunks of
-the buffer; the bounds snap to keys present, so it ends after about log2(#distinct keys) passes), every entry
-above V is kept and, of those equal to V, the earliest up to topk in total; the kept entries move down stably, the
-count becomes topk and the threshold V. A later key equal to V has a larger
-position than every kept tie, so "strictly above" is exactly the tie rule. At the end a last compaction leaves
-min(topk, #candidates) entries whose positions are already ascending; the row is padded with -1.
+`count` entries (an exclusive prefix sum over the keep mask), so the buffer stays in ascending position order. The
+keys are scored in segments of blocks that cannot overflow any buffer of the block (so the scoring loop has no
+branch and its key loads are software-pipelined); between segments a buffer holding more than CAP - BN entries
+is compacted *loosely*: a key V with K <= #(keys >= V) <= K + SLACK is searched (SLACK = half the room left), every
+entry >= V is kept, stably moved down, and V becomes the threshold (a later key equal to V loses the tie to the K
+earlier ones, so "strictly above" stays exact). The search counts the keys >= a trial key in passes over the
+buffer (chunks folded elementwise, one cross-thread reduction a pass, loads pipelined); the bounds snap to keys
+present, and two of every three trials interpolate between the bounds' counts, the third bisects. At the end the
+buffer is compacted loosely to topk + topk/4, then exactly: the topk-th largest key V, every entry above it and,
+of those equal to V, the earliest up to topk in total; positions are already ascending; the row is padded with -1.
 
 **Memory.** Besides the output [B, T, topk], the prefill path holds one buffer per program of a persistent grid
-(about 2 programs per SM, each looping over query blocks, the longest first): programs × BM × CAP × 8 bytes, 34 MB
-on an H200 at topk = 2048 (CAP = 4096), whatever T and S.
+(about 2 programs per SM, each looping over query blocks, the longest first): programs × BM × CAP × 8 bytes, 52 MB
+on an H200 at topk = 2048 (BM = 4, CAP = 3·topk), whatever T and S.
 
 **Decode.** Few queries (T <= 16, no `causal`) against a long cache: the key range is split into `cdiv(S, split)`
 pieces (split a multiple of BN, fixed by B, S and the SM count); program (b, piece) runs the same streaming top-k
-over its piece for all T queries and leaves its buffer (at most topk entries, ascending) and count in a workspace
-where each query's pieces lie side by side. A merge program per query then streams the candidates of the pieces
+over its piece for a block of at most 4 queries and leaves its buffer (at most topk entries, ascending) and count
+in a workspace where each query's pieces lie side by side. A merge program per query then streams the candidates of the pieces
 its range reaches, in piece order (ascending positions), in large chunks through the same selection. Launch
 shapes depend on the shapes only: lengths come from lo/hi on the device, so the step can be captured in a CUDA
-graph. Workspace: B × pow2(T) × pieces × min(split, CAP) × 8 bytes (at most the cache's slots × 8 bytes a query
-when split <= topk) plus B × T × CAP' × 8 bytes for the merge's buffers.
+graph. Workspace: B × T' × pieces × min(split, CAP) × 8 bytes (at most the cache's slots × 8 bytes a query
+when split <= topk; T' is T rounded up to the query block) plus B × T × CAP' × 8 bytes for the merge's
+buffers.
 
 On the CPU the kernels run through Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI tests them.
 """
@@ -76,42 +81,69 @@ if triton is not None:
         return cnt + tl.sum(ki, axis=1)
 
     @triton.jit
-    def _compact(kb, pb, cnt, thr, K, R: tl.constexpr, CH: tl.constexpr):
+    def _compact(kb, pb, cnt, thr, K, SLACK, R: tl.constexpr, CH: tl.constexpr):
         """Reduce every row holding more than K entries to its K best (largest key, then earliest entry), stably in
-        place; returns the new counts and thresholds (the K-th key of each compacted row). Entries are read in
-        chunks of CH; every entry of a buffer is >= its row's threshold."""
+        place; returns the new counts and thresholds. With SLACK > 0 a row may keep up to K + SLACK entries: every
+        entry >= some key V of which at least K are kept (V the new threshold: a later key equal to V loses the tie
+        to K earlier ones), which the bisection meets after a few passes instead of narrowing to the K-th key.
+        SLACK = 0: exactly K, the last of them the K-th key. Entries are read in chunks of CH; every entry of a
+        buffer is >= its row's threshold."""
         tl.debug_barrier()                     # the appended entries are visible to every thread
         act = cnt > K
         n = tl.max(cnt)
         j = tl.arange(0, CH)[None, :]
-        top = tl.full([R], _FLOOR, tl.int32)
-        for c0 in range(0, n, CH):
+        # the passes below fold their chunks elementwise and reduce across the threads once a pass
+        top = tl.full([R, CH], _FLOOR, tl.int32)
+        least = tl.full([R, CH], 2147483647, tl.int32)
+        for c0 in tl.range(0, n, CH, num_stages=3):      # read-only passes: loads pipelined, latency hidden
             m = c0 + j < cnt[:, None]
-            top = tl.maximum(top, tl.max(tl.load(kb + c0 + j, mask=m, other=_FLOOR), axis=1))
-        # the largest V with at least K keys >= V, by bisection: at least K keys are >= lo, and `above` (< K) keys
-        # are > hi. The bounds snap to keys present (the least key >= mid, the largest below), so it ends once
-        # [lo, hi] holds one distinct key; 64-bit midpoints, as the range spans up to 2^32 keys.
-        lo = tl.where(act, thr, _FLOOR)
+            key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
+            top = tl.maximum(top, key)
+            least = tl.minimum(least, tl.where(m, key, 2147483647))
+        top = tl.max(top, axis=1)
+        # the largest V with at least K keys >= V: at least K keys (`at_lo` of them) are >= lo, and `above` (< K)
+        # keys are > hi. The bounds snap to keys present (the least key >= mid, the largest below), so it ends once
+        # [lo, hi] holds one distinct key. Two of every three steps interpolate mid between the bounds' counts
+        # (the keys' order is the scores', smooth enough that this lands near the K-th), the third bisects (at
+        # most three times bisection's passes whatever the data); 64-bit arithmetic, as [lo, hi] spans up to 2^32.
+        lo = tl.where(act, tl.min(least, axis=1), _FLOOR)
         hi = tl.where(act, top, _FLOOR)
+        at_lo = cnt
         above = tl.zeros([R], tl.int32)
+        whole = tl.zeros([R], tl.int1)
+        step = 0
         while tl.max(hi.to(tl.int64) - lo) > 0:
-            mid = (lo + (hi.to(tl.int64) - lo + 1) // 2).to(tl.int32)
-            ge = tl.zeros([R], tl.int32)
-            up = tl.full([R], 2147483647, tl.int32)
-            down = tl.full([R], _FLOOR, tl.int32)
-            for c0 in range(0, n, CH):
+            span = hi.to(tl.int64) - lo
+            if step % 3 == 2:
+                mid = (lo + (span + 1) // 2).to(tl.int32)
+            else:                              # where the counts, linear between the bounds, reach K + SLACK / 2
+                f = (at_lo - (K + SLACK // 2)).to(tl.float32) / tl.maximum(at_lo - above, 1).to(tl.float32)
+                f = tl.minimum(tl.maximum(f, 0.0), 1.0)
+                mid = (lo + tl.minimum(tl.maximum((f * span.to(tl.float32)).to(tl.int64) + 1, 1), span)).to(tl.int32)
+            step += 1
+            ge = tl.zeros([R, CH], tl.int32)
+            up = tl.full([R, CH], 2147483647, tl.int32)
+            down = tl.full([R, CH], _FLOOR, tl.int32)
+            for c0 in tl.range(0, n, CH, num_stages=3):
                 m = c0 + j < cnt[:, None]
                 key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
                 over = m & (key >= mid[:, None])
-                ge += tl.sum(over.to(tl.int32), axis=1)
-                up = tl.minimum(up, tl.min(tl.where(over, key, 2147483647), axis=1))
-                down = tl.maximum(down, tl.max(tl.where(m & ~over, key, _FLOOR), axis=1))
+                ge += over.to(tl.int32)
+                up = tl.minimum(up, tl.where(over, key, 2147483647))
+                down = tl.maximum(down, tl.where(m & ~over, key, _FLOOR))
+            ge = tl.sum(ge, axis=1)
+            up = tl.min(up, axis=1)
+            down = tl.max(down, axis=1)
             ok = ge >= K
+            enough = act & ok & (ge <= K + SLACK)       # every key >= up stays: the row is done
             lo = tl.where(act & ok, up, lo)
+            at_lo = tl.where(act & ok, ge, at_lo)
+            hi = tl.where(enough, up, hi)
+            whole = whole | enough
             above = tl.where(act & ~ok, ge, above)      # no key lies between `down` and mid
             hi = tl.where(act & ~ok, down, hi)
         kth = lo
-        room = K - above                       # how many keys equal to the K-th stay: the earliest ones
+        room = tl.where(whole, 2147483647, K - above)   # keys equal to the K-th that stay: the earliest ones
         kept = tl.zeros([R], tl.int32)
         ties = tl.zeros([R], tl.int32)
         for c0 in range(0, n, CH):
@@ -143,7 +175,7 @@ if triton is not None:
 
     @triton.jit
     def _indexer_stream_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, bk_ptr, bp_ptr, bn_ptr,
-                               B, T, S, H, D, K, NTB, NSPLIT, SPLIT, CAP,
+                               B, T, S, H, D, K, NTB, NSPLIT, SPLIT, CAP, SLACK,
                                BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                                CH: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_OUT: tl.constexpr,
                                PREC: tl.constexpr, UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr):
@@ -153,12 +185,12 @@ if triton is not None:
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         cn = tl.arange(0, BN)
-        hh = tl.arange(0, HP)
         dd = tl.arange(0, DP)
-        q_tile = hh[:, None] * D + dd[None, :]
-        h_mask = hh < H
-        q_mask = h_mask[:, None] & (dd[None, :] < D)
-        k_mask = dd[:, None] < D
+        cq = tl.arange(0, BM * HP)             # the dot's columns: (query of the block, head)
+        c_head = cq % HP
+        c_mask = c_head < H
+        q_mask = c_mask[None, :] & (dd[:, None] < D)
+        k_mask = dd[None, :] < D
         for task in range(pid, B * NTB * NSPLIT, tl.num_programs(0)):
             sp = task % NSPLIT
             b = (task // NSPLIT) % B
@@ -168,56 +200,72 @@ if triton is not None:
             bt = b.to(tl.int64) * T + rows
             lo = tl.minimum(tl.maximum(tl.load(lo_ptr + bt, mask=rmask, other=0), 0), S).to(tl.int32)
             hi = tl.minimum(tl.maximum(tl.load(hi_ptr + bt, mask=rmask, other=0), 0), S).to(tl.int32)
-            has = hi > lo
-            s_lo = tl.maximum(tl.min(tl.where(has, lo, S)), sp * SPLIT)
-            s_hi = tl.minimum(tl.max(tl.where(has, hi, 0)), sp * SPLIT + SPLIT)
-            if CAUSAL:                         # query t is key t: nothing past the block's last query
-                s_hi = tl.minimum(s_hi, t0 + BM)
-            if SPLIT_OUT:                      # [B, BM, NSPLIT, CAP]: a query's pieces side by side
-                slot = (b.to(tl.int64) * BM + rm) * NSPLIT + sp
-            else:                              # [programs, BM, CAP]
-                slot = pid.to(tl.int64) * BM + rm
-            buf = slot * CAP
-            kb = (bk_ptr + buf)[:, None]
-            pb = (bp_ptr + buf)[:, None]
-            cnt = tl.zeros([BM], tl.int32)
-            thr = tl.full([BM], _FLOOR, tl.int32)
-            k_row = k_ptr + b.to(tl.int64) * S * D
-            for s0 in range(s_lo // BN * BN, s_hi, BN):
-                s = s0 + cn
-                kt = tl.load(k_row + s[None, :].to(tl.int64) * D + dd[:, None], mask=k_mask & (s[None, :] < S),
-                             other=0.0)
-                if UPCAST:                     # the interpreter's 16-bit dot is wrong; fp32 products are exact
-                    kt = kt.to(tl.float32)
-                sc = tl.zeros([BM, BN], tl.float32)
-                for i in tl.static_range(BM):
-                    # a block's rows past T read the last query again: they have no candidates
-                    r = b.to(tl.int64) * T + tl.minimum(t0 + i, T - 1)
-                    qi = tl.load(q_ptr + r * H * D + q_tile, mask=q_mask, other=0.0)
-                    wi = tl.load(w_ptr + r * H + hh, mask=h_mask, other=0.0)
-                    if UPCAST:
-                        qi = qi.to(tl.float32)
-                    x = tl.dot(qi, kt, input_precision=PREC)       # [HP, BN], fp32 accumulation
-                    x = tl.where(x < 0.0, 0.0, x) * wi[:, None]    # a ReLU that keeps NaN
-                    if PAD_HEADS:
-                        x = tl.where(h_mask[:, None], x, 0.0)
-                    sc = tl.where(rm[:, None] == i, tl.sum(x, axis=0)[None, :], sc)
-                key = _score_key(sc)
-                if tl.max(((cnt > K) & (cnt > CAP - BN)).to(tl.int32)) > 0:
-                    cnt, thr = _compact(kb, pb, cnt, thr, K, BM, CH)
-                keep = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]) & (key > thr[:, None])
-                cnt = _append(kb, pb, key, tl.broadcast_to(s[None, :], (BM, BN)), keep, cnt)
-            if tl.max(cnt) > K:
-                cnt, thr = _compact(kb, pb, cnt, thr, K, BM, CH)
-            if SPLIT_OUT:
-                tl.store(bn_ptr + slot, cnt)
+            if not SPLIT_OUT and tl.max(hi - lo) <= K:
+                # every row keeps all its candidates: no scores needed
+                j = tl.arange(0, CH)[None, :]
+                for c0 in range(0, K, CH):
+                    p = lo[:, None] + c0 + j
+                    tl.store(out_ptr + (bt * K)[:, None] + c0 + j, tl.where(p < hi[:, None], p, -1),
+                             mask=rmask[:, None] & (c0 + j < K))
             else:
-                _write_rows(out_ptr + (bt * K)[:, None], pb, cnt, rmask, K, CH)
-            tl.debug_barrier()                 # the buffer is read before the next task overwrites it
+                has = hi > lo
+                s_lo = tl.maximum(tl.min(tl.where(has, lo, S)), sp * SPLIT)
+                s_hi = tl.minimum(tl.max(tl.where(has, hi, 0)), sp * SPLIT + SPLIT)
+                if CAUSAL:                     # query t is key t: nothing past the block's last query
+                    s_hi = tl.minimum(s_hi, t0 + BM)
+                if SPLIT_OUT:                  # [B, NTB·BM, NSPLIT, CAP]: a query's pieces side by side
+                    slot = (b.to(tl.int64) * NTB * BM + rows) * NSPLIT + sp
+                else:                          # [programs, BM, CAP]
+                    slot = pid.to(tl.int64) * BM + rm
+                buf = slot * CAP
+                kb = (bk_ptr + buf)[:, None]
+                pb = (bp_ptr + buf)[:, None]
+                cnt = tl.zeros([BM], tl.int32)
+                thr = tl.full([BM], _FLOOR, tl.int32)
+                # the block's queries as one [d, BM·n] operand (rows past T read the last query: no candidates),
+                # so each key block is one [BN, d] x [d, BM·n] dot: the heads lie along the accumulator's rows,
+                # and the sum over them stays within a thread and its lane quad
+                r = b.to(tl.int64) * T + tl.minimum(t0 + cq // HP, T - 1)
+                qt = tl.load(q_ptr + ((r * H + c_head) * D)[None, :] + dd[:, None], mask=q_mask, other=0.0)
+                wc = tl.load(w_ptr + r * H + c_head, mask=c_mask, other=0.0)
+                if UPCAST:                     # the interpreter's 16-bit dot is wrong; fp32 products are exact
+                    qt = qt.to(tl.float32)
+                k_row = k_ptr + b.to(tl.int64) * S * D
+                # segments of key blocks that cannot overflow a buffer, compactions between them: the inner loop
+                # holds no branch, so its key loads are software-pipelined
+                seg = s_lo // BN * BN
+                while seg < s_hi:
+                    most = tl.max(cnt)
+                    if most > CAP - BN:
+                        cnt, thr = _compact(kb, pb, cnt, thr, K, SLACK, BM, CH)
+                        most = tl.max(cnt)
+                    seg_end = tl.minimum(s_hi, seg + (CAP - most) // BN * BN)
+                    for s0 in range(seg, seg_end, BN):
+                        s = s0 + cn
+                        kt = tl.load(k_row + s[:, None].to(tl.int64) * D + dd[None, :],
+                                     mask=k_mask & (s[:, None] < S), other=0.0)
+                        if UPCAST:
+                            kt = kt.to(tl.float32)
+                        x = tl.dot(kt, qt, input_precision=PREC)           # [BN, BM·n], fp32 accumulation
+                        x = tl.where(x < 0.0, 0.0, x) * wc[None, :]        # a ReLU that keeps NaN
+                        if PAD_HEADS:
+                            x = tl.where(c_mask[None, :], x, 0.0)
+                        key = _score_key(tl.trans(tl.sum(tl.reshape(x, [BN, BM, HP]), axis=2)))     # [BM, BN]
+                        keep = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]) & (key > thr[:, None])
+                        cnt = _append(kb, pb, key, tl.broadcast_to(s[None, :], (BM, BN)), keep, cnt)
+                    seg = seg_end
+                if tl.max(cnt) > K:               # to at most K + K/4 first: the exact passes read fewer
+                    cnt, thr = _compact(kb, pb, cnt, thr, K, K // 4, BM, CH)
+                    cnt, thr = _compact(kb, pb, cnt, thr, K, 0, BM, CH)
+                if SPLIT_OUT:
+                    tl.store(bn_ptr + slot, cnt, mask=rmask)
+                else:
+                    _write_rows(out_ptr + (bt * K)[:, None], pb, cnt, rmask, K, CH)
+                tl.debug_barrier()             # the buffer is read before the next task overwrites it
 
     @triton.jit
     def _indexer_merge_kernel(sk_ptr, spos_ptr, sn_ptr, lo_ptr, hi_ptr, out_ptr, bk_ptr, bp_ptr, T, S, K, NSPLIT,
-                              SPLIT, BMS, CAPS, CAP, MB: tl.constexpr, CH: tl.constexpr):
+                              SPLIT, BMS, CAPS, CAP, SLACK, MB: tl.constexpr, CH: tl.constexpr):
         # one query (b, t): the candidates its split programs left (pieces side by side, each holding its first
         # count entries), in chunks of MB across pieces (ascending positions), through the same selection; only
         # the pieces its own range reaches
@@ -239,20 +287,20 @@ if triton is not None:
             m = (e < last) & (e % CAPS < tl.load(sn_ptr + src + e // CAPS, mask=e < last, other=0))
             key = tl.load(sk_ptr + src * CAPS + e, mask=m, other=_FLOOR)
             if tl.max(((cnt > K) & (cnt > CAP - MB)).to(tl.int32)) > 0:
-                cnt, thr = _compact(kb, pb, cnt, thr, K, 1, CH)
+                cnt, thr = _compact(kb, pb, cnt, thr, K, SLACK, 1, CH)
             keep = m & (key > thr[:, None])
             if tl.max(tl.sum(keep.to(tl.int32), axis=1)) > 0:       # most chunks, once the threshold is high
                 pos = tl.load(spos_ptr + src * CAPS + e, mask=keep, other=0)
                 cnt = _append(kb, pb, key, pos, keep, cnt)
         if tl.max(cnt) > K:
-            cnt, thr = _compact(kb, pb, cnt, thr, K, 1, CH)
+            cnt, thr = _compact(kb, pb, cnt, thr, K, 0, 1, CH)
         _write_rows(out_ptr + row.to(tl.int64) * K + tl.zeros([1, 1], tl.int64), pb, cnt,
                     tl.zeros([1], tl.int32) == 0, K, CH)
 
 
 class IndexerLaunch(NamedTuple):
     """Launch configuration of `indexer_topk_triton` (chosen per shape by `launch_config`)."""
-    block_q: int        # BM: queries a program (prefill) or the query block of a split program (pow2(T), decode)
+    block_q: int        # BM: queries a task (one [BN, d] x [d, BM·n] dot a key block)
     block_k: int        # BN: keys a step
     chunk: int          # CH: buffer entries a step of a compaction and of the output
     programs: int       # prefill: persistent programs, one buffer each
@@ -261,38 +309,51 @@ class IndexerLaunch(NamedTuple):
     num_warps: int
     num_stages: int
     merge_warps: int
+    capacity: int = 0   # buffer entries a query (0: `_capacity`'s choice)
 
 
 def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: bool, sms: int,
-                  interpret: bool) -> IndexerLaunch:
+                  interpret: bool, dtype: torch.dtype = torch.bfloat16) -> IndexerLaunch:
     """The configuration for one shape (no autotuning: the kernels keep state in global workspaces). `sms`: the
     device's SM count (sizes the persistent grid and the decode splits). Under the interpreter the blocks are
     small so that CPU tests cover several blocks, chunks and compactions."""
     pow2 = triton.next_power_of_2
+    bm = min(4, pow2(max(T, 1)))
+    capacity = 0
     if interpret:
         bn, chunk, merge_block, warps, stages = 32, 64, 64, 4, 1
         split = 64 if not causal and T <= 4 and S > 64 else 0
     else:
-        # one warpgroup per query's [n, BN] dot (n = 64: wgmma's M); a [d, BN] bf16 key tile of 32 KB at d = 128.
-        # No software pipelining: latency is hidden by two programs an SM, and the per-query tiles stay small.
-        bn, chunk, merge_block, warps, stages = (128 if D <= 128 else 64), 0, 4096, 4, 1
+        # 16-bit: 64 keys x (4 queries x 64 heads) a dot, one warpgroup (wgmma M = 64 keys, N = 256), two stages
+        # of key tiles in flight; buffers of 3·topk entries (fewer compactions: 4.0 ms at T = 8K against 4.7 ms
+        # with 2·topk). fp32 (the parity path): 2 queries, 32 keys, one stage.
+        bn, chunk, merge_block, warps, stages = 64, 0, 4096, 4, 2
+        capacity = 3 * topk
+        if dtype == torch.float32:
+            bm, bn, stages = min(2, bm), 32, 1
         split = 0
         if not causal and T <= DECODE_MAX_QUERIES:
             # about two programs an SM over the batch's pieces, each piece at least 4 key blocks
-            split = min(8192, max(4 * bn, pow2(triton.cdiv(S * B, 2 * sms))))
+            split = min(8192, max(4 * bn, pow2(triton.cdiv(S * B * triton.cdiv(T, bm), 2 * sms))))
             split = split if triton.cdiv(S, split) > 1 else 0
-    bm = pow2(max(T, 1)) if split else min(4, pow2(max(T, 1)))
-    chunk = chunk or max(256, 2048 // bm)       # [BM, CH] compaction tiles: 16 entries a thread at 4 warps
+    chunk = chunk or 512 // bm                  # [BM, CH] compaction tiles: 4 entries a thread at 4 warps
     programs = 0 if split else max(1, min(B * triton.cdiv(T, bm), 3 if interpret else 2 * sms))
     return IndexerLaunch(block_q=bm, block_k=bn, chunk=chunk, programs=programs, split=split,
                          merge_block=merge_block, num_warps=warps, num_stages=stages,
-                         merge_warps=4 if interpret else 8)
+                         merge_warps=4 if interpret else 8, capacity=0 if split else capacity)
 
 
-def _capacity(topk: int, block: int, most: int) -> int:
+def _capacity(topk: int, block: int, most: int, want: int = 0) -> int:
     """Buffer entries a row: topk plus room for at least one block and half of topk (compactions are rare), a
-    power of two; never more than the row can receive (`most`, rounded up to the block)."""
-    return max(block, min(triton.next_power_of_2(topk + max(block, topk // 2)), triton.cdiv(most, block) * block))
+    power of two (or `want`, at least topk + block); never more than the row can receive (`most`, rounded up to
+    the block)."""
+    cap = max(want, topk + block) if want else triton.next_power_of_2(topk + max(block, topk // 2))
+    return max(block, min(cap, triton.cdiv(most, block) * block))
+
+
+def _slack(cap: int, topk: int, block: int) -> int:
+    """Entries above topk a compaction before the end may keep: half the room a compacted buffer has left."""
+    return max(0, (cap - block - topk) // 2)
 
 
 def _check_indexer(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, topk: int):
@@ -327,7 +388,8 @@ def indexer_topk_triton(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
         sms, interpret = sm_count(q.device), interpreted()
     else:
         sms, interpret = 1, True
-    config = launch_config(B, T, k.shape[1], H, D, topk, causal=causal, sms=sms, interpret=interpret)
+    config = launch_config(B, T, k.shape[1], H, D, topk, causal=causal, sms=sms, interpret=interpret,
+                           dtype=q.dtype)
     return indexer_topk_launch(q, k, w, lo, hi, topk=topk, causal=causal, config=config)
 
 
@@ -341,10 +403,9 @@ def indexer_topk_launch(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     if out.numel() == 0:
         return out
     c = config
-    if c.split and (causal or T > c.block_q or c.split % c.block_k):
-        raise ValueError(f"indexer_topk_launch: the decode path takes no `causal`, at most block_q={c.block_q} "
-                         f"queries and a split ({c.split}) that is a multiple of block_k ({c.block_k}); got "
-                         f"causal={causal}, T={T}")
+    if c.split and (causal or c.split % c.block_k):
+        raise ValueError(f"indexer_topk_launch: the decode path takes no `causal` and a split ({c.split}) that is "
+                         f"a multiple of block_k ({c.block_k}); got causal={causal}")
     q, k = q.contiguous(), k.contiguous()
     w = w.to(torch.float32).contiguous()
     lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
@@ -359,24 +420,28 @@ def indexer_topk_launch(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     flags = dict(BM=c.block_q, BN=c.block_k, HP=HP, DP=DP, CH=c.chunk, PREC=prec, UPCAST=upcast, PAD_HEADS=HP != H,
                  num_warps=c.num_warps, num_stages=c.num_stages)
     i32 = dict(dtype=torch.int32, device=q.device)
+    ntb = triton.cdiv(T, c.block_q)
     if not c.split:
-        ntb = triton.cdiv(T, c.block_q)
-        cap = _capacity(topk, c.block_k, S)
+        cap = _capacity(topk, c.block_k, S, c.capacity)
         bk = torch.empty(c.programs, c.block_q, cap, **i32)
         bp = torch.empty_like(bk)
         _indexer_stream_kernel[(c.programs,)](q, k, w, lo, hi, out, bk, bp, bk, B, T, S, H, D, topk, ntb, 1,
-                                              max(S, 1), cap, CAUSAL=causal, SPLIT_OUT=False, **flags)
+                                              max(S, 1), cap, _slack(cap, topk, c.block_k), CAUSAL=causal,
+                                              SPLIT_OUT=False, **flags)
         return out
     nsplit = triton.cdiv(S, c.split)
-    caps = _capacity(topk, c.block_k, c.split)
-    sk = torch.empty(B, c.block_q, nsplit, caps, **i32)
+    caps = _capacity(topk, c.block_k, c.split, c.capacity)
+    rows = ntb * c.block_q
+    sk = torch.empty(B, rows, nsplit, caps, **i32)
     spos = torch.empty_like(sk)
-    sn = torch.empty(B, c.block_q, nsplit, **i32)
-    _indexer_stream_kernel[(B * nsplit,)](q, k, w, lo, hi, out, sk, spos, sn, B, T, S, H, D, topk, 1, nsplit,
-                                          c.split, caps, CAUSAL=False, SPLIT_OUT=True, **flags)
+    sn = torch.empty(B, rows, nsplit, **i32)
+    _indexer_stream_kernel[(B * ntb * nsplit,)](q, k, w, lo, hi, out, sk, spos, sn, B, T, S, H, D, topk, ntb, nsplit,
+                                                c.split, caps, _slack(caps, topk, c.block_k), CAUSAL=False,
+                                                SPLIT_OUT=True, **flags)
     cap = _capacity(topk, c.merge_block, nsplit * min(topk, caps))
     mk = torch.empty(B * T, cap, **i32)
     mp = torch.empty_like(mk)
-    _indexer_merge_kernel[(B * T,)](sk, spos, sn, lo, hi, out, mk, mp, T, S, topk, nsplit, c.split, c.block_q, caps,
-                                    cap, MB=c.merge_block, CH=c.merge_block, num_warps=c.merge_warps)
+    _indexer_merge_kernel[(B * T,)](sk, spos, sn, lo, hi, out, mk, mp, T, S, topk, nsplit, c.split, rows, caps,
+                                    cap, _slack(cap, topk, c.merge_block), MB=c.merge_block, CH=c.merge_block,
+                                    num_warps=c.merge_warps)
     return out
