@@ -119,6 +119,24 @@ def test_every_head_tiling_matches(fwd_cfg, bwd_cfg):
                              bwd_cfg=bwd_cfg)
 
 
+@pytest.mark.parametrize("fwd_cfg, bwd_cfg, deterministic", [
+    (F(heads=(32, 32, 32), block_k=16, slot_major=True),
+     Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_slot_major=True, dkv_block_k=16, dkv_block_h=32,
+        dkv_num_warps=4, dkv_num_stages=1), False),
+    (F(heads=(64, 32), block_k=32, split_v=2, slot_major=True),
+     Bw(heads=(64, 32), block_k=32, slot_major=True, fused_dkv=True), False),
+    (F(heads=(16,) * 6, block_k=64, splits=2, slot_major=True),
+     Bw(heads=(16,) * 6, block_k=64, dkv_slot_major=True, dkv_block_k=64, dkv_block_h=16), True),
+], ids=["32x3", "64+32,split_v2,fused-dkv", "16x6,key-splits,deterministic"])
+def test_slot_major_kernels_match(fwd_cfg, bwd_cfg, deterministic):
+    """The transposed kernels (`slot_major`: slots on the dots' M side; the dkv kernel's interleaved q / do tile)
+    under several tilings, with value and key splits, the fused dlatent and the deterministic one, and the dkv
+    kernel's own warps and stages."""
+    q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
+    _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, fwd_cfg=fwd_cfg,
+                             bwd_cfg=bwd_cfg, deterministic=deterministic, chunk_rows=2 if deterministic else None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_release_widths(dtype):
     """The release's widths: 96 heads, a 576-wide latent whose first 512 columns are the values, σ = 192^-1/2;
@@ -127,17 +145,27 @@ def test_release_widths(dtype):
     _check_against_reference(q, lat, _selection(1, 2, 90, 70), do, dlse, scale=192 ** -0.5, d_v=512)
 
 
+def test_slot_major_at_release_widths():
+    """The transposed kernels at 96 x 576 / 512 in bf16, in the tiles proposed for the H200 (64 slots a step)."""
+    q, lat, do, dlse = _inputs(1, 2, 96, 90, 576, 512, torch.bfloat16)
+    _check_against_reference(q, lat, _selection(1, 2, 90, 70), do, dlse, scale=192 ** -0.5, d_v=512,
+                             fwd_cfg=F(heads=(32, 32, 32), block_k=64, slot_major=True),
+                             bwd_cfg=Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_slot_major=True,
+                                        dkv_block_k=64, dkv_block_h=32))
+
+
 @settings(max_examples=12)
 @given(B=st.integers(1, 2), T=st.integers(1, 5), H=st.integers(1, 40), S=st.integers(1, 30), k=st.integers(1, 40),
        widths=st.sampled_from([(24, 16), (40, 32), (33, 17), (32, 32)]), block_k=st.sampled_from([16, 32, 64]),
        widest=st.sampled_from([16, 32, 64]), split_v=st.sampled_from([1, 2]), splits=st.integers(1, 4),
        dkv=st.sampled_from([(16, 16, False), (32, 32, False), (64, 16, False), (16, 16, True)]),
-       deterministic=st.booleans(),
+       deterministic=st.booleans(), slot_major=st.booleans(), dkv_slot_major=st.booleans(),
        layout=st.sampled_from(["holes", "prefix"]), seed=st.integers(0, 2**31 - 1))
 def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, split_v, splits, dkv, deterministic,
-                                    layout, seed):
+                                    slot_major, dkv_slot_major, layout, seed):
     """Drawn shapes (a latent without a tail included) under drawn launches: head tiles, key blocks, value splits,
-    key splits, dkv tiles or the fused dlatent, atomic or deterministic."""
+    key splits, dkv tiles or the fused dlatent, atomic or deterministic, default or transposed (`slot_major`)
+    kernels."""
     torch.manual_seed(seed)
     D, d_v = widths
     # with an LSE gradient: without one, rows of a single key have dq = 0 up to rounding (nothing to compare)
@@ -145,9 +173,10 @@ def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, spli
     heads = sm.head_tiles(H, widest)
     split_v = split_v if d_v > 16 else 1                    # value blocks are 16 columns at least
     _check_against_reference(q, lat, _selection(B, T, S, k, layout), do, dlse, scale=0.3, d_v=d_v,
-                             fwd_cfg=F(heads=heads, block_k=block_k, split_v=split_v, splits=splits),
+                             fwd_cfg=F(heads=heads, block_k=block_k, split_v=split_v, splits=splits,
+                                       slot_major=slot_major),
                              bwd_cfg=Bw(heads=heads, block_k=block_k, dkv_block_k=dkv[0], dkv_block_h=dkv[1],
-                                        fused_dkv=dkv[2]),
+                                        fused_dkv=dkv[2], slot_major=slot_major, dkv_slot_major=dkv_slot_major),
                              deterministic=deterministic)
 
 
@@ -303,6 +332,26 @@ def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
     """The launches worth timing against the default ones fit the H200 (a 64-head tile with 64 slots a step and
     split values, or 64 heads in the dkv kernel's steps, need more than its 227 KB of shared memory) and give the
     float64 result."""
+    H, D, d_v, S, k = 96, 576, 512, 4096, 2048
+    q, lat, do, dlse = _inputs(1, 256, H, S, D, d_v, torch.bfloat16)
+    _check_against_reference(q, lat, _causal_selection(1, 256, S, k, "cuda"), do, dlse, scale=192 ** -0.5,
+                             d_v=d_v, fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fwd_cfg, bwd_cfg", [
+    (F(heads=(32, 32, 32), block_k=64, slot_major=True),
+     Bw(heads=(32, 32, 32), block_k=32, num_warps=8, dkv_slot_major=True, dkv_block_k=64, dkv_block_h=16)),
+    (F(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4),
+     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_slot_major=True, dkv_block_k=64,
+        dkv_block_h=32, dkv_num_warps=8)),
+    (F(heads=(64, 32), block_k=64, slot_major=True),
+     Bw(heads=(32, 32, 32), block_k=32, num_warps=4, dkv_slot_major=True, dkv_block_k=32, dkv_block_h=32,
+        dkv_num_warps=8)),
+], ids=["sm8w,dkv64x16", "sm4w,dq-sm64,dkv64x32", "fwd64+32,dkv32x32-8w"])
+def test_cuda_slot_major_launches_compile_and_match(fwd_cfg, bwd_cfg):
+    """The transposed kernels in the tiles proposed for timing (offline sm_90 compiles: no or few spills, wgmma
+    at 64 slots) fit the H200 and give the float64 result."""
     H, D, d_v, S, k = 96, 576, 512, 4096, 2048
     q, lat, do, dlse = _inputs(1, 256, H, S, D, d_v, torch.bfloat16)
     _check_against_reference(q, lat, _causal_selection(1, 256, S, k, "cuda"), do, dlse, scale=192 ** -0.5,

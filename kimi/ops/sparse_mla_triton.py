@@ -47,6 +47,14 @@ read back to the host, so the launch can be captured in a CUDA graph.
   `_dkv_reduce_kernel` (one program per latent row) sums its run in that fixed order and adds it to the row;
   chunks run in order. Bitwise reproducible, at twice the dkv memory traffic plus a sort per chunk.
 
+**Transposed kernels** (`slot_major`, `dkv_slot_major`: the backward's default in 16-bit, opt-in for the
+forward). A head tile of 32 rows is below wgmma's M of 64 a warpgroup, so the kernels above run mma.sync at 32
+heads; `_fwd_kernel_sm`, `_bwd_dq_kernel_sm` and `_bwd_dkv_kernel_sm` put the slots on M instead (s^T = kv·q^T),
+with q^T, p^T, ds^T as shared-memory operands. The dkv one stages q and do as one interleaved tile so that its
+accumulator is updated by a single dot (two chained dots get different layouts at 8 warps). Same contract and
+numerics up to fp32 summation order. On the H200 the transposed backward takes 64.9 ms at T = 8K (74.3 ms
+untransposed); the transposed forward is slower than the default (19.7 ms against 14.3 ms at 4 warps).
+
 Precision: fp32 accumulation everywhere. bf16 (fp16) inputs go to the tensor cores as they are; p and ds are
 rounded to the input dtype before their second dot (as every flash kernel does), which is most of the ~1e-3
 difference from the fp32 reference. fp32 inputs run IEEE fp32 dots (parity tests), as do bf16 inputs under the
@@ -278,6 +286,181 @@ if triton is not None:
             tl.store(out_ptr + (e * D)[:, None] + ct[None, :], acc_t, mask=m_t)
 
     @triton.jit
+    def _fwd_kernel_sm(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, R, T, S, H, K, D, DV, h_start, NT, NS, KS, scale2,
+                       BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, DTP: tl.constexpr,
+                       IB: tl.constexpr, F32: tl.constexpr):
+        # `_fwd_kernel` transposed (`slot_major`): s^T = kv·q^T [BK, BH] and o^T += v^T·p^T [BV, BH], the slots on
+        # the dots' M side, q^T and p^T their shared-memory B operands (wgmma: M = BK >= 64 rows a warpgroup, so a
+        # 32-head tile runs on wgmma, and q is not held in registers); softmax statistics per column
+        pid = tl.program_id(0).to(tl.int64)
+        tile = pid % NT
+        rest = pid // NT
+        vb = rest % NV
+        rest = rest // NV
+        split = rest % NS
+        row = rest // NS
+        h = h_start + tile * BH + tl.arange(0, BH)
+        hm = h < H
+        q_row = q_ptr + (row * H + h) * D
+        idx_row = idx_ptr + row * K
+        cv = vb * BV + tl.arange(0, BV)
+        ct = DV + tl.arange(0, DTP)
+        qT_t = tl.load(q_row[None, :] + ct[:, None], mask=hm[None, :] & (ct[:, None] < D), other=0.0)
+        qT_v = tl.load(q_row[None, :] + cv[:, None], mask=hm[None, :] & (cv[:, None] < DV), other=0.0)
+        k_lo = (split * KS).to(tl.int32)
+        k_end = _key_end(idx_row, k_lo, tl.minimum(k_lo + KS, K), S, IB)
+        m = tl.full([BH], float("-inf"), tl.float32)
+        l = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BV, BH], tl.float32)
+        for k0 in range(k_lo, k_end, BK):
+            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
+            kv_row = lat_ptr + kv_off
+            kv_t = tl.load(kv_row[:, None] + ct[None, :], mask=valid[:, None] & (ct[None, :] < D), other=0.0)
+            kv_v = tl.load(kv_row[:, None] + cv[None, :], mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
+            s = _mm(kv_t, qT_t, tl.zeros([BK, BH], tl.float32), F32)
+            if NV == 1:
+                s = _mm(kv_v, qT_v, s, F32)
+            else:
+                for j in tl.static_range(NV):
+                    cj = j * BV + tl.arange(0, BV)
+                    qj = tl.load(q_row[None, :] + cj[:, None], mask=hm[None, :] & (cj[:, None] < DV), other=0.0)
+                    kj = tl.load(kv_row[:, None] + cj[None, :], mask=valid[:, None] & (cj[None, :] < DV),
+                                 other=0.0)
+                    s = _mm(kj, qj, s, F32)
+            s = tl.where(valid[:, None], s * scale2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
+            p = tl.exp2(s - m_use[None, :])
+            l = l * alpha + tl.sum(p, 0)
+            acc = _mm(tl.trans(kv_v), p.to(kv_v.dtype), acc * alpha[None, :], F32)
+            m = m_new
+        ok = l > 0
+        l = tl.where(ok, l, 1.0)
+        o = acc * tl.where(ok, 1.0 / l, 0.0)[None, :]
+        lse = tl.where(ok, (m + tl.log2(l)) * 0.6931471805599453, float("-inf"))
+        out = split * R + row
+        # the store's [BV, BH] mask and addresses are formed here in their own terms: written as the loads' (above),
+        # CSE would merge them and hold them in registers across the loop
+        hs = hm & (h >= 0)
+        o_ptrs = (o_ptr + (out * H + h) * DV)[None, :] + cv[:, None]
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hs[None, :] & (cv[:, None] < DV))
+        tl.store(lse_ptr + out * H + h, lse, mask=h + vb * H < H)
+
+    @triton.jit
+    def _bwd_dq_kernel_sm(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr, T,
+                          S, H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr, BK: tl.constexpr,
+                          DVP: tl.constexpr, DTP: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr,
+                          FUSED: tl.constexpr, F32: tl.constexpr):
+        # `_bwd_dq_kernel` transposed (`slot_major`): s^T, dp^T, ds^T [BK, BH] with the slots on M, and
+        # dq^T += kv^T·ds^T [D, BH]; q^T, do^T and ds^T are the dots' shared-memory B operands
+        pid = tl.program_id(0).to(tl.int64)
+        tile = pid % NT
+        row = pid // NT
+        h = h_start + tile * BH + tl.arange(0, BH)
+        hm = h < H
+        qh = row * H + h
+        idx_row = idx_ptr + row * K
+        cv = tl.arange(0, DVP)
+        ct = DV + tl.arange(0, DTP)
+        m_v = hm[None, :] & (cv[:, None] < DV)
+        m_t = hm[None, :] & (ct[:, None] < D)
+        qT_v = tl.load(q_ptr + (qh * D)[None, :] + cv[:, None], mask=m_v, other=0.0)      # [DVP, BH]
+        qT_t = tl.load(q_ptr + (qh * D)[None, :] + ct[:, None], mask=m_t, other=0.0)
+        doT = tl.load(do_ptr + (qh * DV)[None, :] + cv[:, None], mask=m_v, other=0.0)
+        oT = tl.load(o_ptr + (qh * DV)[None, :] + cv[:, None], mask=m_v, other=0.0)
+        delta = tl.sum(doT.to(tl.float32) * oT.to(tl.float32), 0)
+        if HAS_DLSE:
+            delta -= tl.load(dlse_ptr + qh, mask=hm, other=0.0).to(tl.float32)
+        tl.store(delta_ptr + qh, delta, mask=hm)
+        lse = tl.load(lse_ptr + qh, mask=hm, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        dqT_v = tl.zeros([DVP, BH], tl.float32)
+        dqT_t = tl.zeros([DTP, BH], tl.float32)
+        k_end = _key_end(idx_row, 0, K, S, IB)
+        for k0 in range(0, k_end, BK):
+            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
+            kv_row = lat_ptr + kv_off
+            kv_v = tl.load(kv_row[:, None] + cv[None, :], mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
+            kv_t = tl.load(kv_row[:, None] + ct[None, :], mask=valid[:, None] & (ct[None, :] < D), other=0.0)
+            s = _mm(kv_v, qT_v, _mm(kv_t, qT_t, tl.zeros([BK, BH], tl.float32), F32), F32)
+            keep = valid[:, None] & hm[None, :]
+            p = tl.where(keep, tl.exp2(s * scale2 - lse2[None, :]), 0.0)
+            dp = _mm(kv_v, doT, tl.zeros([BK, BH], tl.float32), F32)
+            ds = (p * (dp - delta[None, :]) * scale).to(kv_v.dtype)                      # [BK, BH]
+            dqT_v = _mm(tl.trans(kv_v), ds, dqT_v, F32)
+            dqT_t = _mm(tl.trans(kv_t), ds, dqT_t, F32)
+            if FUSED:
+                dkv_v = _mm(p.to(kv_v.dtype), tl.trans(doT),
+                            _mm(ds, tl.trans(qT_v), tl.zeros([BK, DVP], tl.float32), F32), F32)
+                dkv_t = _mm(ds, tl.trans(qT_t), tl.zeros([BK, DTP], tl.float32), F32)
+                dst = dlat_ptr + kv_off[:, None]
+                tl.atomic_add(dst + cv[None, :], dkv_v, mask=valid[:, None] & (cv[None, :] < DV), sem="relaxed")
+                tl.atomic_add(dst + ct[None, :], dkv_t, mask=valid[:, None] & (ct[None, :] < D), sem="relaxed")
+        hs = hm & (h >= 0)              # formed here, not merged with the loads' masks (see `_fwd_kernel_sm`)
+        dst = dq_ptr + qh * D
+        tl.store(dst[None, :] + cv[:, None], dqT_v.to(dq_ptr.dtype.element_ty),
+                 mask=hs[None, :] & (cv[:, None] < DV))
+        tl.store(dst[None, :] + ct[:, None], dqT_t.to(dq_ptr.dtype.element_ty), mask=hs[None, :] & (ct[:, None] < D))
+
+    @triton.jit
+    def _bwd_dkv_kernel_sm(q_ptr, lat_ptr, idx_ptr, lse_ptr, do_ptr, delta_ptr, out_ptr, row0, NKB, T, S, H, K, D,
+                           DV, scale, scale2, BK: tl.constexpr, BH: tl.constexpr, DVP: tl.constexpr,
+                           DTP: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr):
+        # `_bwd_dkv_kernel` with the slots on M (`slot_major`) and q, do of a head step staged as one interleaved
+        # [2·BH, DVP] tile qd (row 2i: q_v of head i, row 2i + 1: its do), so that
+        #   [s_v | dp]^T = kv_v·qd^T      one dot, its columns split in registers (pairs of a thread)
+        #   acc_v += [ds | p]·qd          one dot of K = 2·BH: dsᵀ q_v + pᵀ do
+        # Two chained dots into acc_v would get different wgmma layouts at 8 warps (Triton gives a dot whose result
+        # feeds another dot all warps along M), converting the [BK, DVP] accumulator through shared memory twice a
+        # step; as one dot it stays put. q and do are staged once, as the B operand of both their dots.
+        local = tl.program_id(0).to(tl.int64)
+        kb = local % NKB
+        local = local // NKB
+        row = row0 + local
+        b = row // T
+        slot = kb * BK + tl.arange(0, BK)
+        ix = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
+        valid = (ix >= 0) & (ix < S)
+        key = b * S + tl.where(valid, ix, 0).to(tl.int64)
+        cv = tl.arange(0, DVP)
+        ct = DV + tl.arange(0, DTP)
+        kv_v = tl.load(lat_ptr + (key * D)[:, None] + cv[None, :], mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
+        kv_t = tl.load(lat_ptr + (key * D)[:, None] + ct[None, :], mask=valid[:, None] & (ct[None, :] < D), other=0.0)
+        acc_v = tl.zeros([BK, DVP], tl.float32)
+        acc_t = tl.zeros([BK, DTP], tl.float32)
+        heads = tl.where(tl.max(valid.to(tl.int32), 0) > 0, H, 0)
+        r = tl.arange(0, 2 * BH)
+        for h0 in range(0, heads, BH):
+            h = h0 + tl.arange(0, BH)
+            hm = h < H
+            qh = row * H + h
+            hr = h0 + r // 2
+            src = tl.where(r % 2 == 0, q_ptr + (row * H + hr) * D, do_ptr + (row * H + hr) * DV)
+            qd = tl.load(src[:, None] + cv[None, :], mask=(hr < H)[:, None] & (cv[None, :] < DV), other=0.0)
+            q_t = tl.load(q_ptr + (qh * D)[:, None] + ct[None, :], mask=hm[:, None] & (ct[None, :] < D), other=0.0)
+            lse = tl.load(lse_ptr + qh, mask=hm, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+            delta = tl.load(delta_ptr + qh, mask=hm, other=0.0)
+            s_v, dp = tl.split(tl.reshape(_mm(kv_v, tl.trans(qd), tl.zeros([BK, 2 * BH], tl.float32), F32),
+                                          [BK, BH, 2]))
+            s = _mm(kv_t, tl.trans(q_t), s_v, F32)
+            p = tl.where(valid[:, None] & hm[None, :], tl.exp2(s * scale2 - lse2[None, :]), 0.0)      # [BK, BH]
+            ds = (p * (dp - delta[None, :]) * scale).to(kv_v.dtype)
+            acc_v = _mm(tl.reshape(tl.join(ds, p.to(kv_v.dtype)), [BK, 2 * BH]), qd, acc_v, F32)
+            acc_t = _mm(ds, q_t, acc_t, F32)
+        ok = valid & (slot >= 0)        # masks formed here in their own terms (see `_fwd_kernel_sm`)
+        m_v = ok[:, None] & (cv[None, :] < DV)
+        m_t = ok[:, None] & (ct[None, :] < D)
+        if ATOMIC:
+            tl.atomic_add(out_ptr + (key * D)[:, None] + cv[None, :], acc_v, mask=m_v, sem="relaxed")
+            tl.atomic_add(out_ptr + (key * D)[:, None] + ct[None, :], acc_t, mask=m_t, sem="relaxed")
+        else:
+            e = local * K + slot
+            tl.store(out_ptr + (e * D)[:, None] + cv[None, :], acc_v, mask=m_v)
+            tl.store(out_ptr + (e * D)[:, None] + ct[None, :], acc_t, mask=m_t)
+
+    @triton.jit
     def _dkv_reduce_kernel(part_ptr, order_ptr, starts_ptr, ends_ptr, dlat_ptr, D, BR: tl.constexpr,
                            BC: tl.constexpr):
         # program -> (latent row b·S + s, column block): its run of this chunk's sorted slots, summed in order
@@ -311,6 +494,12 @@ class FwdConfig:
     memory)."""
     splits: int = 1
     """Key ranges of each index row (decode), merged by `_merge_kernel`."""
+    slot_major: bool = False
+    """Run `_fwd_kernel_sm`: the dots transposed, s^T = kv·q^T [block_k, heads] and o^T += v^T·p^T [d_v, heads],
+    so that the slots are the MMA's M side and q^T, p^T its shared-memory B operands. A 32-head tile then runs on
+    wgmma (M = block_k >= 64 a warpgroup; mma.sync otherwise) and q is not held in registers: at 32 heads, 64
+    slots and 8 warps it compiles for sm_90 without spills (the default kernel: 255 registers and spills at 4
+    warps, mma.sync at any). Same numerics up to the order of the fp32 sums."""
     num_warps: int = 8
     num_stages: int = 2
 
@@ -329,6 +518,18 @@ class BwdConfig:
     fused_dkv: bool = False
     """The dq kernel adds each head tile's dlatent share atomically instead (no dkv kernel: 1/1.4 the FLOPs,
     as many atomics as head tiles); ignored when deterministic."""
+    slot_major: bool = False
+    """Run `_bwd_dq_kernel_sm`: s^T, dp^T, ds^T [block_k, heads] with the slots on the MMA's M side and
+    dq^T += kv^T·ds^T, q^T, do^T and ds^T as shared-memory B operands (wgmma for a 32-head tile once block_k
+    >= 64; see `FwdConfig.slot_major`)."""
+    dkv_slot_major: bool = False
+    """Run `_bwd_dkv_kernel_sm`: the dkv kernel with the slots on M and q, do interleaved in one tile, so that
+    scores and dp are one dot and dsᵀ q_v + pᵀ do another (K = 2·dkv_block_h). dkv_block_k = 64 then runs on
+    wgmma at 8 warps (the default kernel spills 12 KB a thread there)."""
+    dkv_num_warps: int | None = None
+    """Warps of the dkv kernel (None: num_warps)."""
+    dkv_num_stages: int | None = None
+    """Pipeline stages of the dkv kernel (None: num_stages)."""
     num_warps: int = 8
     num_stages: int = 2
 
@@ -367,14 +568,16 @@ def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.d
 
 def bwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
                dtype: torch.dtype = torch.bfloat16) -> BwdConfig:
-    """The backward's launch for a shape. 16-bit, 4 warps (the H200 sweep: 73.8 ms at T = 8K against 104.0 ms with
-    8): the dq kernel in 32-head tiles, 32 slots a step (its [32, 576]
-    fp32 dq is 72 registers a thread at 8 warps; 64 slots would add shared memory and spills); the dkv kernel 32
-    slots a program (a [32, 576] fp32 accumulator: 64 slots would spill heavily, 16 would double the re-reads of
-    q and do, 2·H·(D + d_v) bytes per program) and 32 heads a step. fp32: 16 everywhere, one stage."""
+    """The backward's launch for a shape (H200 sweeps of tests/bench/sparse_tune.py at T = 8K, H = 96, top 2048).
+    16-bit: the dq kernel transposed (`slot_major`: 64 slots a step on wgmma, 32-head tiles, 4 warps) and the dkv
+    kernel transposed with q and do interleaved (`dkv_slot_major`: 64 slots a program on wgmma, 32 heads a step,
+    8 warps): 65.3 ms against 74.3 ms for the untransposed kernels (dq 32 slots a step on mma.sync, 4 warps; dkv
+    32 slots, 4 warps), whose dkv kernel spills at 64 slots and 8 warps. fp32: 16 everywhere, one stage."""
     if dtype == torch.float32:
         return BwdConfig(heads=head_tiles(H, 16), block_k=16, dkv_block_k=16, dkv_block_h=16, num_stages=1)
-    return BwdConfig(heads=head_tiles(H, 32), block_k=32, num_warps=4)
+    wide = k > 32
+    return BwdConfig(heads=head_tiles(H, 32), block_k=64 if wide else 32, slot_major=True, num_warps=4,
+                     dkv_slot_major=True, dkv_block_k=64 if wide else 32, dkv_block_h=32, dkv_num_warps=8)
 
 
 # ---------------------------------------------------------------------------------------------- entries
@@ -478,7 +681,7 @@ def sparse_mla_fwd_launch(q: Tensor, latent: Tensor, indices: Tensor, *, scale: 
     else:
         o_out, lse_out = o, lse
     for h0, bh, nt in _head_launches(cfg.heads):
-        _fwd_kernel[(R * NS * cfg.split_v * nt,)](
+        (_fwd_kernel_sm if cfg.slot_major else _fwd_kernel)[(R * NS * cfg.split_v * nt,)](
             q, latent, indices, o_out, lse_out, R, T, S, H, K, D, d_v, h0, nt, NS, KS, scale * LOG2E,
             BH=bh, BK=cfg.block_k, BV=DVP // cfg.split_v, NV=cfg.split_v, DTP=DTP, IB=_index_block(K),
             F32=_f32_dots(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -530,24 +733,26 @@ def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
     f32 = _f32_dots(q.dtype)
     fused = cfg.fused_dkv and not deterministic
     for h0, bh, nt in _head_launches(cfg.heads):
-        _bwd_dq_kernel[(R * nt,)](
+        (_bwd_dq_kernel_sm if cfg.slot_major else _bwd_dq_kernel)[(R * nt,)](
             q, latent, indices, o, lse, do, lse if dlse is None else dlse, dq, delta, dlat, T, S, H, K, D, d_v, h0,
             nt, scale, scale * LOG2E, BH=bh, BK=cfg.block_k, DVP=DVP, DTP=DTP, IB=_index_block(K),
             HAS_DLSE=dlse is not None, FUSED=fused, F32=f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if fused:
         return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
     NKB = triton.cdiv(K, cfg.dkv_block_k)
-    dkv = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DVP, DTP=DTP, F32=f32, num_warps=cfg.num_warps,
-               num_stages=cfg.num_stages)
+    dkv = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DVP, DTP=DTP, F32=f32,
+               num_warps=cfg.num_warps if cfg.dkv_num_warps is None else cfg.dkv_num_warps,
+               num_stages=cfg.num_stages if cfg.dkv_num_stages is None else cfg.dkv_num_stages)
+    kernel = _bwd_dkv_kernel_sm if cfg.dkv_slot_major else _bwd_dkv_kernel
     if not deterministic:
-        _bwd_dkv_kernel[(R * NKB,)](q, latent, indices, lse, do, delta, dlat, 0, NKB, T, S, H, K, D, d_v, scale,
-                                    scale * LOG2E, ATOMIC=True, **dkv)
+        kernel[(R * NKB,)](q, latent, indices, lse, do, delta, dlat, 0, NKB, T, S, H, K, D, d_v, scale,
+                           scale * LOG2E, ATOMIC=True, **dkv)
     else:
-        _dkv_deterministic(q, latent, indices, lse, do, delta, dlat, scale, d_v, NKB, dkv, chunk_rows)
+        _dkv_deterministic(q, latent, indices, lse, do, delta, dlat, scale, d_v, NKB, dkv, chunk_rows, kernel)
     return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
 
 
-def _dkv_deterministic(q, latent, indices, lse, do, delta, dlat, scale, d_v, NKB, dkv, chunk_rows):
+def _dkv_deterministic(q, latent, indices, lse, do, delta, dlat, scale, d_v, NKB, dkv, chunk_rows, kernel):
     """dlatent without atomics: per chunk of queries, every (query, slot)'s gradient row into a buffer, the
     chunk's valid slots sorted by key (stable: query order within a key), each key's run summed in that order
     and added to its row. Static shapes, no host reads."""
@@ -562,8 +767,8 @@ def _dkv_deterministic(q, latent, indices, lse, do, delta, dlat, scale, d_v, NKB
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         part = torch.empty((r1 - r0) * K, D, dtype=torch.float32, device=q.device)
-        _bwd_dkv_kernel[((r1 - r0) * NKB,)](q, latent, indices, lse, do, delta, part, r0, NKB, T, S, H, K, D, d_v,
-                                            scale, scale * LOG2E, ATOMIC=False, **dkv)
+        kernel[((r1 - r0) * NKB,)](q, latent, indices, lse, do, delta, part, r0, NKB, T, S, H, K, D, d_v, scale,
+                                   scale * LOG2E, ATOMIC=False, **dkv)
         idx = flat[r0:r1].long()
         b = torch.arange(r0, r1, device=q.device) // T
         keys = torch.where((idx >= 0) & (idx < S), b[:, None] * S + idx, nkeys).flatten()

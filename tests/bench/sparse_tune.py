@@ -50,10 +50,9 @@ def main():
     t32, t64 = (32, 32, 32), (64, 32)
     if "fwd" in a.parts:
         ref = sm.sparse_mla_fwd_triton(q, lat, idx, scale=scale, d_v=DV)[0]
-        configs = [F(t32, 64, 1, 1, 4, 2), F(t32, 64, 1, 1, 8, 2), F(t32, 64, 1, 1, 4, 3), F(t32, 128, 1, 1, 4, 2),
-                   F(t32, 128, 1, 1, 4, 1), F(t32, 64, 1, 1, 2, 2), F((16,) * 6, 64, 1, 1, 4, 3),
-                   F((16,) * 6, 128, 1, 1, 4, 2), F(t64, 64, 1, 1, 4, 2), F(t64, 32, 1, 1, 4, 2),
-                   F(t32, 64, 2, 1, 4, 2)]
+        f = functools.partial(dataclasses.replace, F(t32, block_k=64, num_warps=4, num_stages=2))
+        configs = [f(), f(num_warps=8), f(heads=t64, num_warps=8), f(slot_major=True), f(slot_major=True, num_warps=8),
+                   f(heads=t64, slot_major=True, num_warps=8), f(heads=t64, block_k=32, split_v=2, num_warps=8)]
         sweep(f"forward, T = {T:,}", configs,
               lambda c: sm.sparse_mla_fwd_launch(q, lat, idx, scale=scale, d_v=DV, cfg=c)[0],
               lambda o: f"{rel(o, ref):.1e}")
@@ -62,9 +61,10 @@ def main():
         ref = sm.sparse_mla_bwd_triton(q, lat, idx, o, lse, do, None, scale=scale, d_v=DV)
         base = B(t32, num_warps=4)
         r = functools.partial(dataclasses.replace, base)
-        configs = [base, r(num_warps=8), r(block_k=64), r(fused_dkv=True), r(fused_dkv=True, block_k=64),
-                   r(num_stages=3), r(dkv_block_h=16), r(dkv_block_k=64), r(block_k=64, num_stages=3),
-                   r(num_warps=2), r(heads=(16,) * 6)]
+        dq64 = dict(block_k=64, slot_major=True)
+        dkv64 = dict(dkv_slot_major=True, dkv_block_k=64, dkv_block_h=32, dkv_num_warps=8)
+        configs = [base, r(**dq64), r(**dkv64), r(**dq64, **dkv64), r(**dq64, dkv_block_h=16),
+                   r(**dq64, **{**dkv64, "dkv_block_h": 16}), r(block_k=64, slot_major=True, num_warps=8, **dkv64)]
         sweep(f"backward, T = {T:,}", configs,
               lambda c: sm.sparse_mla_bwd_launch(q, lat, idx, o, lse, do, None, scale=scale, d_v=DV, cfg=c),
               lambda g: f"dq {rel(g[0], ref[0]):.1e}, dlatent {rel(g[1], ref[1]):.1e}")
@@ -77,12 +77,14 @@ def main():
         base = it.launch_config(1, T, T, 64, 128, k, causal=True, sms=sm_count(dev), interpret=False)
         ref = it.indexer_topk_launch(qi, ki, w, lo, hi, topk=k, causal=True, config=base)
 
-        def launch(bm, bn, warps, stages):
-            return base._replace(block_q=bm, block_k=bn, chunk=max(256, 2048 // bm), num_warps=warps,
-                                 num_stages=stages, programs=min(T // bm, 2 * sm_count(dev)))
-        configs = [launch(4, 128, 4, 1), launch(4, 128, 4, 2), launch(2, 128, 4, 2), launch(8, 128, 4, 2),
-                   launch(4, 64, 4, 2), launch(4, 128, 8, 2), launch(8, 64, 4, 2), launch(8, 128, 8, 2),
-                   launch(4, 128, 4, 3), launch(16, 64, 4, 2)]
+        def launch(bm, bn, warps, stages, chunk, capacity=0, per_sm=2):
+            return base._replace(block_q=bm, block_k=bn, chunk=chunk, num_warps=warps, num_stages=stages,
+                                 capacity=capacity, programs=min(T // bm, per_sm * sm_count(dev)))
+        configs = [base, launch(2, 64, 4, 3, 128), launch(2, 64, 4, 2, 128), launch(2, 64, 4, 4, 128),
+                   launch(2, 128, 8, 2, 256, per_sm=1), launch(2, 128, 8, 3, 256, per_sm=1),
+                   launch(2, 128, 4, 2, 128), launch(2, 128, 4, 3, 128, per_sm=1), launch(4, 64, 4, 2, 64),
+                   launch(4, 64, 4, 3, 64, per_sm=1), launch(1, 64, 4, 3, 128), launch(1, 128, 4, 3, 128, per_sm=1),
+                   launch(2, 64, 4, 3, 128, capacity=8192), launch(2, 64, 4, 3, 256)]
         sweep(f"indexer, T = {T:,}", configs,
               lambda c: it.indexer_topk_launch(qi, ki, w, lo, hi, topk=k, causal=True, config=c),
               lambda s: f"{float((s == ref).all(-1).float().mean()):.1%} rows identical")
