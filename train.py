@@ -158,10 +158,14 @@ class TrainConfig:
     third more compute, the activation memory of one layer instead of all. auto: layers on a GPU when a
     micro-batch's activations, gradients and optimizer state would not fit the free memory
     (`kimi.training.recompute_wanted`), else none."""
-    attn: Literal["auto", "eager", "sdpa", "gather", "triton"] = "auto"
+    attn: Literal["auto", "eager", "sdpa", "gather", "triton", "cudnn"] = "auto"
     """Gated MLA's attention (`kimi.Backend.attn`); auto: from key ranges, nothing of size T×T, past 32,768 tokens
     ('triton', the Triton indexer and sparse attention, on a GPU in bf16; 'gather' otherwise) and when every
-    document fits in index_topk ('gather': dense attention, no indexer), else SDPA with a dense mask."""
+    document fits in index_topk ('gather': dense attention, no indexer), else SDPA with a dense mask. 'cudnn':
+    cuDNN Frontend's indexer and sparse backward (Hopper, `pip install '.[cudnn]'`), the forward --sparse-fwd."""
+    sparse_fwd: Literal["auto", "flashmla", "triton", "gather"] = "auto"
+    """With --attn cudnn, the sparse attention forward (`kimi.Backend.sparse_fwd`); auto: FlashMLA where it imports,
+    else the Triton kernels."""
     kda: Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"] = "auto"
     """The KDA core (`kimi.Backend.kda`); auto: 'chunk_triton' on a GPU with Triton (the chunk-to-chunk state pass
     one kernel each way instead of a scan of small matmuls), 'chunk_opaque' when compiling on the CPU (a fraction of
@@ -318,7 +322,7 @@ def train(cfg: TrainConfig) -> dict:
     if is_main:
         for w in degenerate_settings(cfg, len(train_rows)):
             print(f"warning: {w}", file=sys.stderr)
-    backend = kimi.Backend(attn=cfg.attn, kda=cfg.kda, moe=cfg.moe, mla_form=cfg.mla_form)
+    backend = kimi.Backend(attn=cfg.attn, kda=cfg.kda, moe=cfg.moe, mla_form=cfg.mla_form, sparse_fwd=cfg.sparse_fwd)
     scale = lora.scale_of(cfg.lora.rank, cfg.lora.alpha) if cfg.lora.rank else 1.0
     longest = max(train_rows.longest_document(), eval_rows.longest_document())
     step_kw = dict(cfg=model_cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(model_cfg), lora_scale=scale,

@@ -243,7 +243,8 @@ class ModelConfig:
 
 # ---------------------------------------------------------------------------------------------- Backend
 
-AttnBackend = Literal["auto", "eager", "sdpa", "gather", "triton"]
+AttnBackend = Literal["auto", "eager", "sdpa", "gather", "triton", "cudnn"]
+SparseForward = Literal["auto", "flashmla", "triton", "gather"]
 MLAForm = Literal["auto", "expanded", "absorbed"]
 KDABackend = Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"]
 MoEBackend = Literal["auto", "dense", "grouped", "gemv"]
@@ -261,7 +262,8 @@ class Backend:
     ranges with nothing of size T×S: blocked indexer top-k, attention over the gathered latents in the absorbed
     form; documents of at most index_topk tokens run as dense document-causal attention without the indexer) or
     'triton' (the 'gather' path with the attention over the selected latents in Triton kernels, 96 heads native;
-    a CUDA device, or the interpreter).
+    a CUDA device, or the interpreter) or 'cudnn' (the 'gather' path on cuDNN Frontend's indexer, top-k and SM90
+    sparse backward, the forward `sparse_fwd`; an SM90+ GPU and `pip install 'kimi[cudnn]'`, checked here).
     'auto' picks 'triton' past 32,768 keys without a cache on a GPU in bf16/fp16 ('gather' elsewhere), 'gather'
     for short documents and for caches of more than 8,192 slots (docs/architecture.md#backends)."""
     mla_form: MLAForm = "auto"
@@ -271,6 +273,11 @@ class Backend:
     """The KDA core: 'recurrent' (token loop, the definition), 'chunk' (chunkwise-parallel, traced by
     torch.compile), 'chunk_opaque' (the same as one opaque op: much shorter compiles, its backward recomputes the
     forward) or 'chunk_triton' ('chunk' with the chunk-to-chunk state pass as one Triton kernel each way)."""
+    sparse_fwd: SparseForward = "auto"
+    """With attn='cudnn', the sparse attention forward under cuDNN's backward: 'flashmla' (FlashMLA's
+    `flash_mla_sparse_fwd`, built from its repository; 96 heads padded to 128), 'triton' (the project's kernels) or
+    'gather' (torch); 'auto' is 'flashmla' where it imports, else 'triton' (`kimi.ops.resolve`). Only with
+    attn='cudnn'."""
     moe: MoEBackend = "auto"
     """Routed experts: 'dense' (every expert on every token; the any-dtype reference), 'grouped' (tokens sorted by
     expert, one grouped matmul per projection; float32/bfloat16) or 'gemv' (a Triton kernel that reads each chosen
@@ -280,7 +287,13 @@ class Backend:
         for name, allowed in _BACKEND_CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Backend.{name}={getattr(self, name)!r}: expected one of {allowed}")
-        if self.attn in ("gather", "triton") and self.mla_form == "expanded":
+        if self.sparse_fwd != "auto" and self.attn != "cudnn":
+            raise ValueError(f"Backend(sparse_fwd={self.sparse_fwd!r}) chooses the forward under attn='cudnn'; got "
+                             f"attn={self.attn!r}")
+        if self.attn == "cudnn":      # the packages and the GPU, said once here rather than at the first layer
+            from .ops.cudnn_dsa import require
+            require(self.sparse_fwd)
+        if self.attn in ("gather", "triton", "cudnn") and self.mla_form == "expanded":
             raise ValueError(f"Backend(attn={self.attn!r}, mla_form='expanded'): the gathering path attends over the "
                              "shared latent (the absorbed form); use mla_form='auto' or 'absorbed'")
         if self.attn == "sdpa" and self.mla_form == "absorbed":
@@ -290,7 +303,7 @@ class Backend:
 
 
 _BACKEND_CHOICES = {"attn": get_args(AttnBackend), "mla_form": get_args(MLAForm), "kda": get_args(KDABackend),
-                    "moe": get_args(MoEBackend)}
+                    "moe": get_args(MoEBackend), "sparse_fwd": get_args(SparseForward)}
 
 
 # ---------------------------------------------------------------------------------------------- helpers

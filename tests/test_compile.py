@@ -152,6 +152,17 @@ def _op_samples():
         "sparse_mla_triton_ranges": (k_ops.sparse_mla_triton_ranges.default,
                                      (*f32s((qm, lat, kvb)), rg.lo, rg.hi, idx),
                                      dict(scale=cfg.softmax_scale, span=T, causal=True, block=4)),
+        # cuDNN's adapter (kimi/ops/cudnn_dsa.py) over the documented-contract stand-ins of tests/fake_cudnn.py
+        "indexer_topk_cudnn": (k_ops.indexer_topk_cudnn.default, (r(B, 3, 16, 128), r(B, T, 128), r(B, 3, 16),
+                                                                  rg.lo[:, 3:], rg.hi[:, 3:]), dict(topk=4)),
+        "sparse_mla_cudnn": (k_ops.sparse_mla_cudnn.default, (*f32s((qg, latent)), gidx),
+                             dict(scale=0.3, d_v=8, forward="gather")),
+        "sparse_mla_cudnn_bwd": (k_ops.sparse_mla_cudnn_bwd.default,
+                                 (*f32s((qg, latent)), gidx,
+                                  *k_ops.sparse_mla_gather(*f32s((qg, latent)), gidx, scale=0.3, d_v=8),
+                                  r(B, T, 2, 8).float(), None), dict(scale=0.3, d_v=8, forward="gather")),
+        "sparse_mla_cudnn_ranges": (k_ops.sparse_mla_cudnn_ranges.default, (*f32s((qm, lat, kvb)), rg.lo, rg.hi, idx),
+                                    dict(scale=cfg.softmax_scale, span=T, causal=True, block=4, forward="gather")),
         "moe_experts_dense": (k_ops.moe_experts_dense.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=25.0)),
         "moe_experts_grouped": (k_ops.moe_experts_grouped.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=None)),
         "moe_experts_gemv": (k_ops.moe_experts_gemv.default, (z, eidx, w, *ex), dict(beta=4.0, beta_lin=25.0)),
@@ -168,11 +179,19 @@ def test_every_registered_op_is_covered():
 
 
 @pytest.mark.parametrize("name", sorted(_op_samples()))
-def test_opcheck(name):
+def test_opcheck(name, monkeypatch):
+    if "cudnn" in name:
+        from fake_cudnn import fake_cudnn
+        with fake_cudnn(monkeypatch, widths_checked=False):
+            return _opcheck(name)
+    _opcheck(name)
+
+
+def _opcheck(name):
     op, args, kwargs = _op_samples()[name]
     args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() and name not in
-                 ("indexer_topk", "indexer_topk_triton", "kda_chunk_opaque_bwd", "kda_states_bwd",
-                  "sparse_mla_gather_bwd", "sparse_mla_triton_bwd") else a
+                 ("indexer_topk", "indexer_topk_triton", "indexer_topk_cudnn", "kda_chunk_opaque_bwd",
+                  "kda_states_bwd", "sparse_mla_gather_bwd", "sparse_mla_triton_bwd", "sparse_mla_cudnn_bwd") else a
                  for a in args)
     if name == "kda_chunk_opaque_bwd":
         # It differentiates through torch.func.vjp, whose wrapper tensors opcheck's checkers (dispatch modes that

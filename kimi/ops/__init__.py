@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..config import Backend
 from ..ranges import KeyRanges
-from . import delta_rule, experts, lightning_index, sparse_attention
+from . import cudnn_dsa, delta_rule, experts, lightning_index, sparse_attention
 from .registry import triton_available
 
 IMPLEMENTATIONS: dict[str, dict] = {
@@ -48,6 +48,7 @@ IMPLEMENTATIONS: dict[str, dict] = {
         # from ranges, nothing of size T×S: (q, latent, kv_b, lo, hi, topk_idx, *, scale, span, causal, block)
         ("gather", "absorbed"): torch.ops.kimi.sparse_mla_gathered.default,
         ("triton", "absorbed"): torch.ops.kimi.sparse_mla_triton_ranges.default,
+        ("cudnn", "absorbed"): torch.ops.kimi.sparse_mla_cudnn_ranges.default,     # (..., forward=sparse_fwd)
     },
     "moe": {
         "dense": torch.ops.kimi.moe_experts_dense.default,
@@ -87,7 +88,8 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
       index_topk, or no indexer); with a cache 'gather' for more than 8,192 keys or
       `DENSE_MASK_MAX_PAIRS_CACHED` (query, key) pairs; unless mla_form='expanded' is asked for. Otherwise 'sdpa'
       for the expanded form and 'eager' for the absorbed one.
-    - mla_form: 'absorbed' for attn='gather' or 'triton' and with a decode cache (attention over the cached 576-wide latents,
+    - sparse_fwd (attn='cudnn' only): 'flashmla' where FlashMLA imports, else 'triton'.
+    - mla_form: 'absorbed' for attn='gather', 'triton' or 'cudnn' and with a decode cache (attention over the cached 576-wide latents,
       nothing re-expanded), 'expanded' without one (or with attn='sdpa').
     - moe: 'gemv' for at most `GEMV_MAX_TOKENS` tokens on a CUDA device with Triton; 'grouped' for
       float32/bfloat16; 'dense' otherwise.
@@ -112,7 +114,10 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
         kernels = not cached and not every_candidate and triton_here and dtype in (torch.bfloat16, torch.float16)
         attn = attn if dense else ("triton" if kernels else "gather")
     if form == "auto":
-        form = "absorbed" if attn in ("gather", "triton") or (cached and attn != "sdpa") else "expanded"
+        form = "absorbed" if attn in ("gather", "triton", "cudnn") or (cached and attn != "sdpa") else "expanded"
+    sparse_fwd = backend.sparse_fwd
+    if attn == "cudnn" and sparse_fwd == "auto":
+        sparse_fwd = cudnn_dsa.default_forward()
     if attn == "auto":
         attn = "eager" if form == "absorbed" else "sdpa"
     moe = backend.moe
@@ -122,7 +127,7 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
             moe = "gemv"
         else:
             moe = "grouped" if grouped_dtype else "dense"
-    return Backend(attn=attn, mla_form=form, kda=kda, moe=moe)
+    return Backend(attn=attn, mla_form=form, kda=kda, moe=moe, sparse_fwd=sparse_fwd)
 
 
 # ---------------------------------------------------------------------------------------------- dispatch points
@@ -148,12 +153,16 @@ def indexer_topk(q: Tensor, k: Tensor, w: Tensor, ranges: KeyRanges, *, topk: in
                  backend: Backend | None = None) -> Tensor:
     """Indexer scores and top-k (docs/numerics.md#top-k): q [B, T, n, d], k [B, S, d], w [B, T, n] (scales
     folded in), the queries' candidate ranges. Returns int32 [B, T, topk]: valid key positions ascending, then -1.
-    Where `backend` resolves to attn="triton" (asked for, or "auto" on long rows: `resolve`) the Triton kernel
-    (streaming top-k, no score buffer; not for float64), else the blocked torch op, queries in blocks of
-    `QUERY_BLOCK` (no T×S score buffer either)."""
+    With attn="cudnn" cuDNN's scores and top-k (a bounded dense buffer); where `backend` resolves to
+    attn="triton" (asked for, or "auto" on long rows: `resolve`) the Triton kernel (streaming top-k, no score
+    buffer; not for float64), else the blocked torch op, queries in blocks of `QUERY_BLOCK` (no T×S score buffer
+    either)."""
     kernels = backend is not None and q.dtype != torch.float64 and resolve(
         backend, device=q.device, dtype=q.dtype, cached=not ranges.causal, queries=q.shape[1], keys=k.shape[1]
     ).attn == "triton"      # "auto" too: the rule that sends the attention to the Triton kernels
+    if backend is not None and backend.attn == "cudnn":
+        return torch.ops.kimi.indexer_topk_cudnn.default(q, k, w, ranges.lo, ranges.hi, topk=topk,
+                                                         causal=ranges.causal)
     if kernels:
         return torch.ops.kimi.indexer_topk_triton.default(q, k, w, ranges.lo, ranges.hi, topk=topk,
                                                           causal=ranges.causal)
@@ -171,9 +180,10 @@ def sparse_mla(q: Tensor, latent: Tensor, kv_b: Tensor, ranges: KeyRanges, topk_
     b = resolve(backend, device=q.device, dtype=q.dtype, cached=not ranges.causal, queries=q.shape[1], keys=S,
                 every_candidate=topk_idx is None)
     fn = IMPLEMENTATIONS["attn"][b.attn, b.mla_form]
-    if b.attn in ("gather", "triton"):
+    if b.attn in ("gather", "triton", "cudnn"):
+        extra = dict(forward=b.sparse_fwd) if b.attn == "cudnn" else {}
         return fn(q, latent, kv_b, ranges.lo, ranges.hi, topk_idx, scale=scale, span=ranges.span,
-                  causal=ranges.causal, block=QUERY_BLOCK)
+                  causal=ranges.causal, block=QUERY_BLOCK, **extra)
     return fn(q, latent[..., :R], latent[..., R:], kv_b, ranges.mask(S), topk_idx, scale=scale)
 
 

@@ -2,8 +2,8 @@
 
     I[b, t, s] = Σ_j w[b, t, j] · ReLU(<q[b, t, j], k[b, s]>)       fp32 accumulation (fp64 for fp64)
 
-The selection contract every implementation keeps (the blocked torch op `kimi::indexer_topk` and the Triton kernel
-`kimi::indexer_topk_triton`): int32 [B, T, topk]; row t holds min(topk, #candidates) key
+The selection contract every implementation keeps (the blocked torch op `kimi::indexer_topk`, the Triton kernel
+`kimi::indexer_topk_triton` and cuDNN's `kimi::indexer_topk_cudnn`): int32 [B, T, topk]; row t holds min(topk, #candidates) key
 positions ascending, then -1; every candidate when there are at most topk; ties go to the smaller position. Hard
 top-k has no gradient: the op runs on detached inputs under no_grad (the indexer is frozen).
 """
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..common import compute_dtype
 from ..ranges import range_mask
-from . import indexer_triton
+from . import cudnn_dsa, indexer_triton
 
 
 def scores(q: Tensor, k: Tensor, w: Tensor, *, max_logits: int = 1 << 28) -> Tensor:
@@ -108,5 +108,18 @@ def indexer_topk_triton(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
 
 
 @indexer_topk_triton.register_fake
+def _(q, k, w, lo, hi, *, topk, causal=False):
+    return q.new_empty(*q.shape[:2], topk, dtype=torch.int32)
+
+
+@torch.library.custom_op("kimi::indexer_topk_cudnn", mutates_args=())
+def indexer_topk_cudnn(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, *, topk: int,
+                       causal: bool = False) -> Tensor:
+    """`kimi::indexer_topk`'s contract on cuDNN Frontend's indexer scores and radix top-k (`Backend(attn="cudnn")`,
+    kimi/ops/cudnn_dsa.py): a dense fp32 score buffer of at most 4 GiB at a time. No gradient (frozen indexer)."""
+    return cudnn_dsa.indexer_topk_cudnn(q, k, w, lo, hi, topk=topk, causal=causal)
+
+
+@indexer_topk_cudnn.register_fake
 def _(q, k, w, lo, hi, *, topk, causal=False):
     return q.new_empty(*q.shape[:2], topk, dtype=torch.int32)

@@ -24,6 +24,8 @@ the calls where every candidate is attended. `sparse_mla_triton` (+ `_bwd`) is t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -31,6 +33,7 @@ from torch import Tensor
 
 from ..common import compute_dtype
 from ..ranges import KeyRanges, range_mask
+from . import cudnn_dsa
 from . import sparse_mla_triton as kernels
 from .registry import traceable, triton_available
 
@@ -386,3 +389,61 @@ def sparse_mla_triton_ranges(q: Tensor, latent: Tensor, kv_b: Tensor, lo: Tensor
 
 traceable("sparse_mla_triton_ranges(Tensor q, Tensor latent, Tensor kv_b, Tensor lo, Tensor hi, Tensor? topk_idx, *, "
           "float scale, SymInt span, bool causal, int block=1024) -> Tensor", sparse_mla_triton_ranges)
+
+
+# ---------------------------------------------------------------------------------------------- cuDNN (+ FlashMLA)
+
+SPARSE_FORWARDS = ("flashmla", "triton", "gather")
+"""The forwards `Backend(attn="cudnn")` runs under cuDNN's backward (`Backend.sparse_fwd`)."""
+
+
+@torch.library.custom_op("kimi::sparse_mla_cudnn", mutates_args=())
+def sparse_mla_cudnn(q: Tensor, latent: Tensor, indices: Tensor, *, scale: float, d_v: int,
+                     forward: str) -> tuple[Tensor, Tensor]:
+    """`sparse_mla_gather`'s contract with `forward` (FlashMLA's sparse forward, the Triton kernels or the torch
+    gather) and cuDNN's SM90 backward (kimi/ops/cudnn_dsa.py). All three write the natural-log LSE the backward
+    reads."""
+    if forward == "flashmla":
+        return cudnn_dsa.sparse_mla_fwd_flashmla(q, latent, indices, scale=scale, d_v=d_v)
+    if forward == "triton":
+        return kernels.sparse_mla_fwd_triton(q, latent, indices, scale=scale, d_v=d_v)
+    if forward == "gather":
+        return sparse_mla_gather(q, latent, indices, scale=scale, d_v=d_v)
+    raise ValueError(f"sparse_mla_cudnn: forward={forward!r}, expected one of {SPARSE_FORWARDS}")
+
+
+@sparse_mla_cudnn.register_fake
+def _(q, latent, indices, *, scale, d_v, forward):
+    return q.new_empty(*q.shape[:3], d_v), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("kimi::sparse_mla_cudnn_bwd", mutates_args=())
+def sparse_mla_cudnn_bwd(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                         dlse: Tensor | None, *, scale: float, d_v: int, forward: str) -> tuple[Tensor, Tensor]:
+    """(dq, dlatent) of `sparse_mla_cudnn` on cuDNN's SM90 sparse backward, whichever forward ran."""
+    return cudnn_dsa.sparse_mla_bwd_cudnn(q, latent, indices, o, lse, do, dlse, scale=scale, d_v=d_v)
+
+
+@sparse_mla_cudnn_bwd.register_fake
+def _(q, latent, indices, o, lse, do, dlse, *, scale, d_v, forward):
+    return q.new_empty(q.shape), latent.new_empty(latent.shape)
+
+
+_attention_autograd(sparse_mla_cudnn, sparse_mla_cudnn_bwd)
+
+
+def sparse_mla_cudnn_ranges(q: Tensor, latent: Tensor, kv_b: Tensor, lo: Tensor, hi: Tensor,
+                            topk_idx: Tensor | None, *, scale: float, span: int, causal: bool, block: int = 1024,
+                            forward: str = "triton") -> Tensor:
+    """`sparse_mla_gathered` with the attention over the selection on `sparse_mla_cudnn`: `Backend(attn="cudnn")`,
+    the op `kimi::sparse_mla_cudnn_ranges` (the gathering path's signature plus `forward`). Without a selection
+    `dense_mla_ranges`, as on the other range-based paths."""
+    if topk_idx is None:
+        return dense_mla_ranges(q, latent, kv_b, KeyRanges(lo, hi, span, causal), scale=scale, block=block)
+    attend = functools.partial(torch.ops.kimi.sparse_mla_cudnn, forward=forward)
+    return _selected(q, latent, kv_b, lo, hi, topk_idx, scale, attend)
+
+
+traceable("sparse_mla_cudnn_ranges(Tensor q, Tensor latent, Tensor kv_b, Tensor lo, Tensor hi, Tensor? topk_idx, *, "
+          "float scale, SymInt span, bool causal, int block=1024, str forward='triton') -> Tensor",
+          sparse_mla_cudnn_ranges)

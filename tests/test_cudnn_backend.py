@@ -1,0 +1,214 @@
+"""`Backend(attn="cudnn")` (kimi/ops/cudnn_dsa.py): the choice and its errors, and the adapter around cuDNN
+Frontend's DSA kernels and FlashMLA's forward: query blocks of a bounded score buffer, the ranges applied to the
+scores, the selection compacted for the backward, rows without keys, head and slot padding. Without the packages
+(CPU CI) the kernels are the documented-contract stand-ins of tests/fake_cudnn.py; the `gpu` tests run the real
+ones on an SM90 GPU where cuDNN Frontend is installed."""
+
+import pytest
+import torch
+
+import kimi
+from kimi.ops import cudnn_dsa, lightning_index
+from kimi.ops.sparse_attention import sparse_mla_gather, sparse_mla_gather_bwd
+from kimi.ranges import cache_ranges, document_ranges
+
+from fake_cudnn import fake_cudnn
+from helpers import rel_err, tiny
+from test_indexer_triton import _assert_valid_topk, _packed
+
+
+def _ints(*shape):
+    return torch.randint(-2, 3, shape).float()
+
+
+def test_choosing_it_says_what_is_missing(monkeypatch):
+    """One clear error when the backend is chosen: no GPU, a GPU older than Hopper, cuDNN's DSA kernels missing,
+    FlashMLA asked for but not built; `sparse_fwd` without attn='cudnn' is refused."""
+    monkeypatch.setattr(cudnn_dsa, "_READY", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(cudnn_dsa.CudnnUnavailable, match="compute capability 9.0 or later"):
+        kimi.Backend(attn="cudnn")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(cudnn_dsa.CudnnUnavailable, match="this GPU is 8.0"):
+        kimi.Backend(attn="cudnn")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(cudnn_dsa, "_load_dsa", lambda: (None, "ModuleNotFoundError: No module named 'cudnn'"))
+    with pytest.raises(cudnn_dsa.CudnnUnavailable, match=r"pip install 'kimi\[cudnn\]'.*No module named 'cudnn'"):
+        kimi.Backend(attn="cudnn")
+    from fake_cudnn import FakeDSA
+    monkeypatch.setattr(cudnn_dsa, "_load_dsa", lambda: (FakeDSA, ""))
+    monkeypatch.setattr(cudnn_dsa, "_load_flash_mla", lambda: (None, "ModuleNotFoundError: No module named 'flash_mla'"))
+    with pytest.raises(cudnn_dsa.CudnnUnavailable, match="FlashMLA built from its repository"):
+        kimi.Backend(attn="cudnn", sparse_fwd="flashmla")
+    assert kimi.Backend(attn="cudnn").sparse_fwd == "auto"
+    assert kimi.ops.resolve(kimi.Backend(attn="cudnn"), device=torch.device("cpu"),
+                            dtype=torch.bfloat16).sparse_fwd == "triton"          # no FlashMLA: the Triton forward
+    with pytest.raises(ValueError, match="chooses the forward under attn='cudnn'"):
+        kimi.Backend(attn="triton", sparse_fwd="gather")
+    with pytest.raises(ValueError, match="the gathering path attends over the shared latent"):
+        kimi.Backend(attn="cudnn", mla_form="expanded")
+
+
+def test_indexer_equals_the_blocked_reference(monkeypatch):
+    """Packed causal documents with padding and a cached prefill chunk (rows starting mid-cache, padding queries):
+    on integer scores (exact in every summation order, ties everywhere) the selection is the reference's, with
+    the score buffer bounded so that rows run in several query blocks and top-k calls."""
+    with fake_cudnn(monkeypatch) as dsa:
+        monkeypatch.setattr(cudnn_dsa, "SCORE_BUFFER_BYTES", 7 * 40 * 4)      # 7 query rows a block at S = 40
+        monkeypatch.setattr(cudnn_dsa, "TOPK_ROWS", 3)
+        monkeypatch.setattr(cudnn_dsa, "TOPK_BUFFER_BYTES", 1)
+        B, T = 2, 40
+        r = document_ranges(_packed(B, T))
+        q, k, w = _ints(B, T, 16, 128), _ints(B, T, 128), _ints(B, T, 16)
+        for topk in (1, 5, 17):
+            got = cudnn_dsa.indexer_topk_cudnn(q, k, w, r.lo, r.hi, topk=topk, causal=True)
+            assert torch.equal(got, lightning_index.indexer_topk_blocked(q, k, w, r.lo, r.hi, topk=topk, causal=True))
+        assert dsa.calls["indexer_forward_wrapper"] == B * 6 * 3 and dsa.calls["indexer_top_k_wrapper"] > B * 6 * 3
+        S = 60
+        q, w = q[:, :8], w[:, :8]
+        k = _ints(B, S, 128)
+        r = cache_ranges(torch.arange(50, 58), torch.tensor([3, 55]), S)
+        got = torch.ops.kimi.indexer_topk_cudnn(q, k, w, r.lo, r.hi, topk=6, causal=False)
+        assert torch.equal(got, lightning_index.indexer_topk_blocked(q, k, w, r.lo, r.hi, topk=6))
+        with pytest.raises(ValueError, match="16, 32 or 64 heads of 128"):
+            cudnn_dsa.indexer_topk_cudnn(q[..., :64], k[..., :64], w, r.lo, r.hi, topk=6)
+        with pytest.raises(ValueError, match="must be in 0..2048"):
+            cudnn_dsa.indexer_topk_cudnn(q, k, w, r.lo, r.hi, topk=4096)
+
+
+def test_backward_equals_the_gathering_reference(monkeypatch):
+    """dq, dlatent through the adapter: a selection with holes and out-of-range entries compacted into the valid
+    prefix cuDNN reads, rows without a key left at zero, batch rows summed; an LSE gradient (which cuDNN does not
+    take) added through the torch backward."""
+    check = cudnn_dsa._check_attention
+    with fake_cudnn(monkeypatch, widths_checked=False) as dsa:
+        B, T, H, S, D, d_v = 2, 6, 3, 9, 24, 16
+        q, lat = torch.randn(B, T, H, D), torch.randn(B, S, D)
+        idx = torch.randint(-1, S + 2, (B, T, 5), dtype=torch.int32)
+        idx[0, 2] = -1                                                       # a row without keys
+        idx = torch.where(idx >= S, -1, idx)
+        # distinct keys a row (the contract's): repeats become -1
+        same = (idx[..., :, None] == idx[..., None, :]) & (idx[..., None, :] >= 0)
+        idx = torch.where(same.tril(-1).any(-1), -1, idx)
+        o, lse = sparse_mla_gather(q, lat, idx, scale=0.3, d_v=d_v)
+        do = torch.randn_like(o)
+        dq, dl = cudnn_dsa.sparse_mla_bwd_cudnn(q, lat, idx, o, lse, do, None, scale=0.3, d_v=d_v)
+        want_q, want_l = sparse_mla_gather_bwd(q, lat, idx, o, lse, do, None, scale=0.3, d_v=d_v)
+        assert rel_err(dq, want_q) < 1e-6 and rel_err(dl, want_l) < 1e-6
+        assert torch.equal(dq[0, 2], torch.zeros_like(dq[0, 2]))
+        assert dsa.calls["sparse_attention_backward_wrapper"] == B
+        dlse = torch.randn_like(lse)                      # cuDNN takes none: added through the torch backward
+        dq, dl = cudnn_dsa.sparse_mla_bwd_cudnn(q, lat, idx, o, lse, do, dlse, scale=0.3, d_v=d_v)
+        want_q, want_l = sparse_mla_gather_bwd(q, lat, idx, o, lse, do, dlse, scale=0.3, d_v=d_v)
+        assert rel_err(dq, want_q) < 1e-6 and rel_err(dl, want_l) < 1e-6
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        check(q, lat, d_v)
+    with pytest.raises(ValueError, match="latents of 576"):
+        check(q.bfloat16(), lat.bfloat16(), d_v)
+
+
+def test_flashmla_forward_pads_heads_and_slots(monkeypatch):
+    """FlashMLA's forward through the adapter: 96 heads run padded to 128, 2,000 slots padded to 2,048 with -1;
+    o and the natural-log LSE equal the gathering reference's, a row without keys gives o = 0, LSE -inf (FlashMLA
+    writes +inf there)."""
+    with fake_cudnn(monkeypatch, widths_checked=False):
+        B, T, H, S, D, d_v = 1, 3, 96, 40, 20, 16
+        q, lat = torch.randn(B, T, H, D), torch.randn(B, S, D)
+        idx = torch.full((B, T, 200), -1, dtype=torch.int32)
+        idx[0, 0, :5] = torch.tensor([1, 4, 9, 16, 25])
+        idx[0, 2, :3] = torch.tensor([0, 1, 2])
+        o, lse = cudnn_dsa.sparse_mla_fwd_flashmla(q, lat, idx, scale=0.2, d_v=d_v)
+        want_o, want_lse = sparse_mla_gather(q, lat, idx, scale=0.2, d_v=d_v)
+        assert rel_err(o, want_o) < 1e-6 and torch.equal(lse.isneginf(), want_lse.isneginf())
+        assert rel_err(lse[~lse.isneginf()], want_lse[~want_lse.isneginf()]) < 1e-6 and bool(lse[0, 1].isneginf().all())
+        with pytest.raises(ValueError, match="at most 128 heads"):
+            cudnn_dsa.sparse_mla_fwd_flashmla(torch.randn(1, 2, 130, D), lat, idx[:, :2], scale=0.2, d_v=d_v)
+
+
+@pytest.mark.parametrize("sparse_fwd", ["gather", "flashmla"])
+def test_the_model_on_it_equals_gather(monkeypatch, sparse_fwd):
+    """`Backend(attn="cudnn")` through the whole model (packed documents, padding, several query blocks): the
+    logits and every parameter's gradient of attn='gather', and under torch.compile (fullgraph, the adapter's
+    ops opaque with fakes) the same logits. The forward is the `sparse_fwd` chosen."""
+    from kimi import ops
+    from kimi.config import KDAConfig
+    from kimi.params import tree_items, unflatten
+    with fake_cudnn(monkeypatch, widths_checked=False) as dsa:
+        monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
+        cfg = tiny(num_hidden_layers=2, index_topk=4, index_n_heads=16, index_head_dim=128,
+                   linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
+        params = kimi.init_params(cfg, seed=int(torch.randint(1000, ())))
+        doc = torch.tensor([[0] * 13 + [1] * 6 + [2] * 3, [5] * 18 + [-1] * 4])
+        ids = torch.randint(0, cfg.vocab_size, doc.shape)
+        probe = torch.randn(*doc.shape, cfg.vocab_size)
+
+        def run(backend):
+            leaves = {k: v.detach().clone().requires_grad_() for k, v in tree_items(params)}
+            logits = kimi.forward(unflatten(leaves), ids, cfg, backend, document_ids=doc)
+            (logits * probe * (doc >= 0)[..., None]).sum().backward()
+            return logits.detach(), {k: v.grad for k, v in leaves.items() if v.grad is not None}
+        base = dict(kda="chunk", moe="dense")
+        want, want_g = run(kimi.Backend(attn="gather", **base))
+        got, got_g = run(kimi.Backend(attn="cudnn", sparse_fwd=sparse_fwd, **base))
+        assert dsa.calls["indexer_top_k_wrapper"] and dsa.calls["sparse_attention_backward_wrapper"]
+        real = doc >= 0
+        assert rel_err(got[real], want[real]) < 1e-5
+        assert got_g.keys() == want_g.keys()
+        for k, g in want_g.items():
+            assert rel_err(got_g[k], g) < 1e-4, k
+        compiled = torch.compile(kimi.forward, fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            out = compiled(params, ids, cfg, kimi.Backend(attn="cudnn", sparse_fwd=sparse_fwd, **base),
+                           document_ids=doc)
+        assert rel_err(out[real], want[real]) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------ the real kernels
+
+def _real_cudnn():
+    if not torch.cuda.is_available():
+        return False
+    try:
+        cudnn_dsa.require("triton")
+    except cudnn_dsa.CudnnUnavailable:
+        return False
+    return True
+
+
+cuda_cudnn = pytest.mark.skipif(not _real_cudnn(), reason="needs an SM90+ GPU with cuDNN Frontend's DSA kernels")
+
+
+@pytest.mark.gpu
+@cuda_cudnn
+def test_gpu_indexer_is_a_valid_topk():
+    """cuDNN's indexer at the release's sizes (64 x 128 heads, top 2048) on packed documents, bf16: counts and
+    order of every row, and sampled rows a valid top-k of their float64 scores (overlap >= 0.97)."""
+    from test_indexer_triton import _bf16
+    B, T, n, d, topk = 1, 8192, 64, 128, 2048
+    q, k, w = _bf16(B, T, T, n, d)
+    w = w * (n * d) ** -0.5
+    r = document_ranges(torch.tensor([[0] * 5000 + [1] * 3000 + [-1] * 192], device="cuda"))
+    idx = torch.ops.kimi.indexer_topk_cudnn(q, k, w, r.lo, r.hi, topk=topk, causal=True)
+    chosen = idx >= 0
+    assert torch.equal(chosen.sum(-1), (r.hi - r.lo).clamp(min=0, max=topk))
+    rows = torch.cat([torch.arange(2040, 2060, device="cuda"), torch.randint(5100, 8000, (100,), device="cuda")])
+    _assert_valid_topk(idx[:, rows], q[:, rows], k, w[:, rows], r.lo[:, rows], r.hi[:, rows], topk)
+
+
+@pytest.mark.gpu
+@cuda_cudnn
+@pytest.mark.parametrize("T", [4096])
+def test_gpu_backward_matches_the_triton_kernels(T):
+    """cuDNN's SM90 sparse backward through the adapter at 96 heads x 576 / 512, top 2048, bf16: dq and dlatent
+    within bf16 rounding of the float64 reference (the same bound as the Triton kernels' test)."""
+    from test_sparse_mla_triton import TOL, _selection
+    q = (torch.randn(1, T, 96, 576, device="cuda") * 0.5).bfloat16()
+    lat = torch.randn(1, T, 576, device="cuda").bfloat16()
+    idx = _selection(1, T, T, 2048, "prefix", device="cuda")
+    do = torch.randn(1, T, 96, 512, device="cuda").bfloat16()
+    o, lse = sparse_mla_gather(q.double(), lat.double(), idx, scale=192 ** -0.5, d_v=512)
+    want = sparse_mla_gather_bwd(q.double(), lat.double(), idx, o, lse, do.double(), None, scale=192 ** -0.5, d_v=512)
+    dq, dl = cudnn_dsa.sparse_mla_bwd_cudnn(q, lat, idx, o.to(q.dtype), lse.float(), do, None, scale=192 ** -0.5,
+                                            d_v=512)
+    assert rel_err(dq, want[0]) < TOL[torch.bfloat16] and rel_err(dl, want[1]) < TOL[torch.bfloat16]
