@@ -11,6 +11,8 @@ kv rank 512, indexer 64 x 128 choosing 2,048 keys), B = 1, bf16, random weights,
   latents in the absorbed form;
 - `triton`: `Backend(attn="triton")`, the same path with the Triton indexer (streaming top-k) and the Triton
   sparse attention forward and backward;
+- `cudnn`: `Backend(attn="cudnn")` where cuDNN Frontend is installed: its indexer scores and top-k, its SM90
+  sparse backward, the forward `sparse_fwd="auto"` resolves to (FlashMLA if built, else the Triton kernels);
 - `gather, documents of 2,048`: the same layer on packed documents of index_topk tokens with the bound passed
   (`max_document_len`): no indexer, dense document-causal attention over a key window per query block;
 - `sdpa (dense mask)`: the expanded form through SDPA with a [T, T] mask, the path `attn="auto"` took for every
@@ -89,6 +91,12 @@ def layer_rows(a, cfg, device):
     p = mla_layer(cfg, device)
     H, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     k = cfg.index_topk
+    try:
+        cudnn = kimi.Backend(attn="cudnn")
+        print(f"cudnn: forward {kimi.ops.resolve(cudnn, device=device, dtype=torch.bfloat16).sparse_fwd}", flush=True)
+    except kimi.ops.cudnn_dsa.CudnnUnavailable as e:
+        cudnn = None
+        print(f"(no cudnn rows: {e})", flush=True)
     print("| T | path | fwd ms | fwd peak GiB | fwd+bwd ms | fwd+bwd peak GiB |\n|---|---|---|---|---|---|",
           flush=True)
     for n, T in enumerate(a.tokens):
@@ -111,6 +119,8 @@ def layer_rows(a, cfg, device):
         paths = [("triton", kimi.Backend(attn="triton"), one_doc, None),
                  ("gather", kimi.Backend(attn="gather"), one_doc, None),
                  (f"gather, documents of {k:,}", kimi.Backend(attn="gather"), short_doc, k)]
+        if cudnn is not None:
+            paths.insert(1, ("cudnn", cudnn, one_doc, None))
         if T <= a.max_sdpa:
             paths.append(("sdpa (dense mask)", kimi.Backend(attn="sdpa", mla_form="expanded"), one_doc, None))
         for name, backend, doc, span in paths:
@@ -177,7 +187,7 @@ def main():
     ap.add_argument("--preset", default="k3_1_pro")
     ap.add_argument("--tokens", type=int, nargs="*", default=[8192, 32768, 65536, 131072])
     ap.add_argument("--max-sdpa", type=int, default=32768, help="longest T for the dense-mask row (64K: OOM)")
-    ap.add_argument("--paths", nargs="*", default=[], choices=["triton", "gather", "sdpa"],
+    ap.add_argument("--paths", nargs="*", default=[], choices=["triton", "cudnn", "gather", "sdpa"],
                     help="layer rows to run (default: all); 'gather' includes its short-document row")
     ap.add_argument("--prefill", type=int, nargs="*", default=[131072, 32768])
     ap.add_argument("--prefill-chunk", type=int, default=8192)
