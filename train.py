@@ -323,6 +323,8 @@ def train(cfg: TrainConfig) -> dict:
         for w in degenerate_settings(cfg, len(train_rows)):
             print(f"warning: {w}", file=sys.stderr)
     backend = kimi.Backend(attn=cfg.attn, kda=cfg.kda, moe=cfg.moe, mla_form=cfg.mla_form, sparse_fwd=cfg.sparse_fwd)
+    if is_main and backend.attn == "cudnn":     # the forward under cuDNN's backward, said once ("auto" resolved)
+        print(f"attn=cudnn: sparse forward {kimi.ops.resolve(backend, device=device, dtype=compute).sparse_fwd}")
     scale = lora.scale_of(cfg.lora.rank, cfg.lora.alpha) if cfg.lora.rank else 1.0
     longest = max(train_rows.longest_document(), eval_rows.longest_document())
     step_kw = dict(cfg=model_cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(model_cfg), lora_scale=scale,
