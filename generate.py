@@ -168,8 +168,8 @@ def run(a: Args, out=sys.stdout, err=sys.stderr, inp=sys.stdin) -> Result | None
     print(f"loaded {kimi.param_count(cfg) / 1e6:.1f}M parameters ({dtype}, {device}) in "
           f"{time.perf_counter() - t:.1f} s; tokenizer: {type(tok).__name__}", file=err)
     if a.backend.attn == "cudnn":          # the forward under cuDNN's backward, said once ("auto" resolved)
-        print(f"attn=cudnn: sparse forward {kimi.ops.resolve(a.backend, device=device, dtype=getattr(torch, dtype)).sparse_fwd}",
-              file=err)
+        forward = kimi.ops.resolve(a.backend, device=device, dtype=getattr(torch, dtype)).sparse_fwd
+        print(f"attn=cudnn: sparse forward {forward}", file=err)
     compile = a.compile if a.compile is not None else device.type == "cuda"
     if a.interactive:
         return chat(a, params, cfg, tok, compile, inp, out, err)

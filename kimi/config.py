@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Callable, Literal, get_args
 
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 
@@ -290,9 +290,8 @@ class Backend:
         if self.sparse_fwd != "auto" and self.attn != "cudnn":
             raise ValueError(f"Backend(sparse_fwd={self.sparse_fwd!r}) chooses the forward under attn='cudnn'; got "
                              f"attn={self.attn!r}")
-        if self.attn == "cudnn":      # the packages and the GPU, said once here rather than at the first layer
-            from .ops.cudnn_dsa import require
-            require(self.sparse_fwd)
+        if self.attn in BACKEND_CHECKS:   # the packages and the GPU, said here rather than at the first layer
+            BACKEND_CHECKS[self.attn](self)
         if self.attn in ("gather", "triton", "cudnn") and self.mla_form == "expanded":
             raise ValueError(f"Backend(attn={self.attn!r}, mla_form='expanded'): the gathering path attends over the "
                              "shared latent (the absorbed form); use mla_form='auto' or 'absorbed'")
@@ -301,6 +300,10 @@ class Backend:
                              "copy the 576-wide latent to every head); use attn='eager' or 'auto' with the absorbed "
                              "form")
 
+
+BACKEND_CHECKS: dict[str, Callable[[Backend], None]] = {}
+"""attn value -> a check that the implementation can run in this process, raising a named error when not;
+registered by the op layer (kimi/ops/__init__.py: attn='cudnn'), which this module does not import."""
 
 _BACKEND_CHOICES = {"attn": get_args(AttnBackend), "mla_form": get_args(MLAForm), "kda": get_args(KDABackend),
                     "moe": get_args(MoEBackend), "sparse_fwd": get_args(SparseForward)}

@@ -45,7 +45,8 @@ class FakeDSA:
         n, cols = input_values.shape
         inside = torch.arange(cols)[None] < seq_lens[:, None]
         order = torch.sort(input_values.float(), dim=-1, descending=True, stable=True).indices
-        order = torch.gather(order, -1, torch.sort((~torch.gather(inside, -1, order)).int(), dim=-1, stable=True).indices)
+        outside = (~torch.gather(inside, -1, order)).int()        # the row's columns first, in score order
+        order = torch.gather(order, -1, torch.sort(outside, dim=-1, stable=True).indices)
         pick = order[:, :top_k]
         if pick.shape[1] < top_k:
             pick = torch.nn.functional.pad(pick, (0, top_k - pick.shape[1]), value=cols)
@@ -87,6 +88,6 @@ def fake_cudnn(monkeypatch, *, flash=True, widths_checked=True):
                         lambda: (fake_flash_mla_sparse_fwd, "") if flash else (None, "ModuleNotFoundError: flash_mla"))
     monkeypatch.setattr(cudnn_dsa, "_READY", {"flashmla", "triton", "gather"} if flash else {"triton", "gather"})
     if not widths_checked:
-        monkeypatch.setattr(cudnn_dsa, "_check_attention", lambda *a: None)
+        monkeypatch.setattr(cudnn_dsa, "_check_widths", lambda *a: None)
     FakeDSA.calls = {}
     yield FakeDSA

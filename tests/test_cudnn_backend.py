@@ -38,7 +38,7 @@ def test_choosing_it_says_what_is_missing(monkeypatch):
         kimi.Backend(attn="cudnn")
     from fake_cudnn import FakeDSA
     monkeypatch.setattr(cudnn_dsa, "_load_dsa", lambda: (FakeDSA, ""))
-    monkeypatch.setattr(cudnn_dsa, "_load_flash_mla", lambda: (None, "ModuleNotFoundError: No module named 'flash_mla'"))
+    monkeypatch.setattr(cudnn_dsa, "_load_flash_mla", lambda: (None, "ModuleNotFoundError: no flash_mla"))
     with pytest.raises(cudnn_dsa.CudnnUnavailable, match="FlashMLA built from its repository"):
         kimi.Backend(attn="cudnn", sparse_fwd="flashmla")
     assert kimi.Backend(attn="cudnn").sparse_fwd == "auto"
@@ -81,7 +81,7 @@ def test_backward_equals_the_gathering_reference(monkeypatch):
     """dq, dlatent through the adapter: a selection with holes and out-of-range entries compacted into the valid
     prefix cuDNN reads, rows without a key left at zero, batch rows summed; an LSE gradient (which cuDNN does not
     take) added through the torch backward."""
-    check = cudnn_dsa._check_attention
+    check = cudnn_dsa._check_widths
     with fake_cudnn(monkeypatch, widths_checked=False) as dsa:
         B, T, H, S, D, d_v = 2, 6, 3, 9, 24, 16
         q, lat = torch.randn(B, T, H, D), torch.randn(B, S, D)
@@ -93,13 +93,14 @@ def test_backward_equals_the_gathering_reference(monkeypatch):
         idx = torch.where(same.tril(-1).any(-1), -1, idx)
         o, lse = sparse_mla_gather(q, lat, idx, scale=0.3, d_v=d_v)
         do = torch.randn_like(o)
-        dq, dl = cudnn_dsa.sparse_mla_bwd_cudnn(q, lat, idx, o, lse, do, None, scale=0.3, d_v=d_v)
+        dq, dl = cudnn_dsa.sparse_mla_bwd_cudnn(q, lat, idx, o, lse, do, scale=0.3, d_v=d_v)
         want_q, want_l = sparse_mla_gather_bwd(q, lat, idx, o, lse, do, None, scale=0.3, d_v=d_v)
         assert rel_err(dq, want_q) < 1e-6 and rel_err(dl, want_l) < 1e-6
         assert torch.equal(dq[0, 2], torch.zeros_like(dq[0, 2]))
         assert dsa.calls["sparse_attention_backward_wrapper"] == B
         dlse = torch.randn_like(lse)                      # cuDNN takes none: added through the torch backward
-        dq, dl = cudnn_dsa.sparse_mla_bwd_cudnn(q, lat, idx, o, lse, do, dlse, scale=0.3, d_v=d_v)
+        dq, dl = torch.ops.kimi.sparse_mla_cudnn_bwd(q, lat, idx, o, lse, do, dlse, scale=0.3, d_v=d_v,
+                                                      forward="gather")
         want_q, want_l = sparse_mla_gather_bwd(q, lat, idx, o, lse, do, dlse, scale=0.3, d_v=d_v)
         assert rel_err(dq, want_q) < 1e-6 and rel_err(dl, want_l) < 1e-6
     with pytest.raises(ValueError, match="bf16 or fp16"):
@@ -209,6 +210,5 @@ def test_gpu_backward_matches_the_triton_kernels(T):
     do = torch.randn(1, T, 96, 512, device="cuda").bfloat16()
     o, lse = sparse_mla_gather(q.double(), lat.double(), idx, scale=192 ** -0.5, d_v=512)
     want = sparse_mla_gather_bwd(q.double(), lat.double(), idx, o, lse, do.double(), None, scale=192 ** -0.5, d_v=512)
-    dq, dl = cudnn_dsa.sparse_mla_bwd_cudnn(q, lat, idx, o.to(q.dtype), lse.float(), do, None, scale=192 ** -0.5,
-                                            d_v=512)
+    dq, dl = cudnn_dsa.sparse_mla_bwd_cudnn(q, lat, idx, o.to(q.dtype), lse.float(), do, scale=192 ** -0.5, d_v=512)
     assert rel_err(dq, want[0]) < TOL[torch.bfloat16] and rel_err(dl, want[1]) < TOL[torch.bfloat16]

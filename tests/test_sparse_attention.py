@@ -12,7 +12,9 @@ from kimi.ops.lightning_index import topk_reference
 from kimi.ops.sparse_attention import select_visible
 from kimi.ranges import document_ranges
 
-FORMS = sorted(IMPLEMENTATIONS["attn"])   # (attn, mla_form)
+FORMS = sorted(f for f in IMPLEMENTATIONS["attn"] if f[0] != "cudnn")   # (attn, mla_form)
+"""Every form but cuDNN's, whose kernels need the package and a GPU (test_cudnn_backend.py: the GPU tests, and on
+the CPU the model through it against 'gather' over stand-ins of the kernels)."""
 
 
 def precision(attn: str) -> tuple[torch.dtype, float]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import Backend
+from ..config import BACKEND_CHECKS, Backend
 from ..ranges import KeyRanges
 from . import cudnn_dsa, delta_rule, experts, lightning_index, sparse_attention
 from .registry import triton_available
@@ -57,6 +57,8 @@ IMPLEMENTATIONS: dict[str, dict] = {
     },
 }
 """Backend field -> choice -> op. Every op of a field has the same signature (see the dispatch functions)."""
+
+BACKEND_CHECKS["cudnn"] = lambda backend: cudnn_dsa.require(backend.sparse_fwd)
 
 GEMV_MAX_TOKENS = 64
 """`moe="auto"` runs the gemv kernel for at most this many tokens (decoding), the grouped GEMM above."""

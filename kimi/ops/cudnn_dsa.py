@@ -8,8 +8,8 @@ contracts: `Backend(attn="cudnn")` (docs/numerics.md#sparse-attention-contract, 
 - Sparse attention backward (`sparse_mla_bwd_cudnn`, the contract of `kimi::sparse_mla_gather_bwd`): cuDNN's SM90
   kernel over the rows that hold a key (it needs at least one), the selection compacted to a valid prefix, no
   attention sink (-inf), 96 heads passed as they are (its SM90 kernel tiles heads by 64 and masks the rest).
-  Natural-log LSE on both sides (the forward's, whichever kernel wrote it); an LSE gradient, which cuDNN does not
-  take, through the torch backward.
+  Natural-log LSE on both sides (the forward's, whichever kernel wrote it); no LSE gradient (the op of
+  sparse_attention.py adds one through the torch backward).
 - Forward under it (`Backend.sparse_fwd`): FlashMLA's `flash_mla_sparse_fwd` (heads padded to 128, slots to a
   multiple of 128, as it requires), the project's Triton forward, or `gather`.
 
@@ -101,7 +101,7 @@ def default_forward() -> str:
     return "flashmla" if flash_mla_available() else "triton"
 
 
-def _compact(idx: Tensor, keep: Tensor) -> Tensor:
+def _valid_first(idx: Tensor, keep: Tensor) -> Tensor:
     """The kept entries of each row first, ascending, then -1 (idx int32 [..., k])."""
     big = torch.iinfo(torch.int32).max
     out = torch.where(keep, idx, big).sort(-1).values
@@ -148,13 +148,13 @@ def indexer_topk_cudnn(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, 
                 idx = dsa.indexer_top_k_wrapper(scores[r0:r1].contiguous(), hi_b[r0:r1].clamp_min(1).to(torch.int32),
                                                 topk, return_val=False, deterministic=True)["indices"]
                 keep = (idx >= lo_b[r0:r1, None]) & (idx < hi_b[r0:r1, None])     # -inf picks below lo, -1 pads
-                out[b, t0 + r0:t0 + r1] = _compact(idx, keep)
+                out[b, t0 + r0:t0 + r1] = _valid_first(idx, keep)
     return out
 
 
 # ---------------------------------------------------------------------------------------------- attention
 
-def _check_attention(q: Tensor, latent: Tensor, d_v: int) -> None:
+def _check_widths(q: Tensor, latent: Tensor, d_v: int) -> None:
     if q.dtype not in (torch.bfloat16, torch.float16) or latent.dtype != q.dtype:
         raise ValueError(f"attn='cudnn': cuDNN's sparse backward takes bf16 or fp16 q and latent, got {q.dtype}, "
                          f"{latent.dtype}")
@@ -163,17 +163,11 @@ def _check_attention(q: Tensor, latent: Tensor, d_v: int) -> None:
                          f"{q.shape[-1]} (values {d_v})")
 
 
-def sparse_mla_bwd_cudnn(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-                         dlse: Tensor | None, *, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
-    """`kimi::sparse_mla_gather_bwd`'s contract on cuDNN's SM90 sparse backward: (dq in q's dtype, dlatent in the
-    latent's). cuDNN takes no LSE gradient; the backward is linear in (do, dlse), so a nonzero dlse (the layer never
-    differentiates through the LSE: autograd hands zeros) adds the torch gather's backward of (0, dlse), at the price
-    of one device read to tell."""
-    extra = None
-    if dlse is not None and bool(dlse.ne(0).any()):
-        from .sparse_attention import sparse_mla_gather_bwd
-        extra = sparse_mla_gather_bwd(q, latent, indices, o, lse, torch.zeros_like(do), dlse, scale=scale, d_v=d_v)
-    _check_attention(q, latent, d_v)
+def sparse_mla_bwd_cudnn(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor, *,
+                         scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+    """`kimi::sparse_mla_gather_bwd`'s contract without an LSE gradient (cuDNN takes none) on cuDNN's SM90 sparse
+    backward: (dq in q's dtype, dlatent in the latent's)."""
+    _check_widths(q, latent, d_v)
     dsa = dsa_module()
     B, T, H, _ = q.shape
     dq = torch.zeros_like(q)
@@ -181,7 +175,7 @@ def sparse_mla_bwd_cudnn(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, 
     sink = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
     S = latent.shape[1]
     for b in range(B):
-        idx = _compact(indices[b], (indices[b] >= 0) & (indices[b] < S))     # a valid prefix, as cuDNN reads it
+        idx = _valid_first(indices[b], (indices[b] >= 0) & (indices[b] < S))     # a valid prefix, as cuDNN reads it
         length = (idx >= 0).sum(-1, dtype=torch.int32)
         rows = (length > 0).nonzero().squeeze(1)          # cuDNN needs a key a row; rows without one get zeros
         if rows.numel() == 0:
@@ -192,8 +186,6 @@ def sparse_mla_bwd_cudnn(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, 
             softmax_scale=scale, topk_length=length[rows])
         dq[b, rows] = r["dq"].to(q.dtype)
         dlat[b] += r["dkv"].float()
-    if extra is not None:
-        return dq + extra[0], (dlat + extra[1].float()).to(latent.dtype)
     return dq, dlat.to(latent.dtype)
 
 
@@ -205,7 +197,7 @@ def sparse_mla_fwd_flashmla(q: Tensor, latent: Tensor, indices: Tensor, *, scale
     fwd, why = _load_flash_mla()
     if fwd is None:
         raise CudnnUnavailable(f"sparse_fwd='flashmla': FlashMLA does not import: {why}")
-    _check_attention(q, latent, d_v)
+    _check_widths(q, latent, d_v)
     B, T, H, D = q.shape
     heads = next((h for h in FLASH_MLA_HEADS if h >= H), None)
     if heads is None:

@@ -36,8 +36,8 @@ on an H200 at topk = 2048 (BM = 4, CAP = 3·topk), whatever T and S.
 **Decode.** Few queries (T <= 16, no `causal`) against a long cache: the key range is split into `cdiv(S, split)`
 pieces (split a multiple of BN, fixed by B, S and the SM count); program (b, piece) runs the same streaming top-k
 over its piece for a block of at most 4 queries and leaves its buffer (at most topk entries, ascending) and count
-in a workspace where each query's pieces lie side by side. A merge program per query then streams the candidates of the pieces
-its range reaches, in piece order (ascending positions), in large chunks through the same selection. Launch
+in a workspace where each query's pieces lie side by side. A merge program per query then streams the candidates
+of the pieces its range reaches, in piece order (ascending positions), in large chunks through the same selection. Launch
 shapes depend on the shapes only: lengths come from lo/hi on the device, so the step can be captured in a CUDA
 graph. Workspace: B × T' × pieces × min(split, CAP) × 8 bytes (at most the cache's slots × 8 bytes a query
 when split <= topk; T' is T rounded up to the query block) plus B × T × CAP' × 8 bytes for the merge's
