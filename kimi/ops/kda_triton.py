@@ -1,0 +1,396 @@
+"""Triton kernels of chunked KDA's forward (the gated delta rule of `delta_rule.kda_recurrent`, computed as
+`delta_rule.kda_chunk` does), beside their references in `delta_rule.py`.
+
+Per (sequence, head) and chunk of C tokens (rows r = 0..C−1, entering state S_n), with g(j, r] = Σ_{j<u≤r} g_u the
+decay from token j to token r, Γ_r = g(−1, r], and seg_r the number of document starts at rows ≤ r of the chunk:
+
+    L   = β_r Σ_d k_r k_j e^{g(j,r]}           j < r, same segment       (strictly lower)
+    Aqk = s Σ_d q_r k_j e^{g(j,r]}             j ≤ r, same segment
+    w   = (I + L)⁻¹ (β K ⊙ e^{Γ} · [seg_r = 0])      u = (I + L)⁻¹ (β V)
+    q̃   = s Q ⊙ e^{Γ} · [seg_r = 0]            k̃ = K ⊙ e^{g(j, C−1]} · [seg_j = last]
+    d   = e^{Γ_{C−1}} · [no document starts in the chunk]
+
+and the chunks hand the state on in order:
+
+    U_n = u_n − w_n S_n,    O_n = q̃_n S_n + Aqk_n U_n,    S_{n+1} = diag(d_n) S_n + k̃_nᵀ U_n.
+
+Only the first segment of a chunk sees S_n and only the last one writes S_{n+1}; the pairwise terms are masked by
+segment, so a document that starts inside a chunk starts from zero exactly.
+
+**Kernels.** `_intra_kernel`, one program per (chunk, sequence × head), writes w, u, q̃, k̃, d and Aqk to fp32
+scratch. It walks the chunk in sub-blocks of BC = 16 query rows; for sub-block a (first row n_a) every factor is
+anchored at n_a: queries carry e^{g(n_a, r]} ≤ 1, earlier keys e^{g(j, n_a]} ≤ 1 (a [16, C] strip, one dot), keys
+of the sub-block itself e^{−g(n_a, j]} ≤ e^{15·5} (a [16, 16] dot). Each exponent is a sum over exactly the tokens
+it spans (gates are ≤ 0, so these sums do not cancel), never a difference of two chunk prefix sums. The solve is
+forward substitution by sub-blocks: the diagonal 16 × 16 block (I + L_aa) is inverted by substitution in fp32,
+then w_a = (I + L_aa)⁻¹ (rhs_a − L_{a,<a} w_{<a}), the earlier rows read back from the output it already wrote.
+`_state_kernel`, one program per (sequence × head, block of state columns), carries its block of S through the
+chunks in fp32 registers and writes the outputs O directly.
+
+**Gates.** The anchored diagonal block needs e^{−g(n_a, j]} to stay finite over 15 tokens: the kernels take the
+bounded gate of K3, g ∈ [−5, 0] (as FLA's `safe_gate`); unbounded softplus gates belong to `delta_rule.kda_chunk`.
+
+**Precision.** fp32 inputs: IEEE fp32 dots throughout. 16-bit inputs (the fast path, `PRECISION`): the pairwise
+strips of L / Aqk take 16-bit operands on the tensor cores, the triangular solve and the state pass TF32 ones
+(16-bit operands there double the error: the state rounded to bf16 costs ~2e-3 of the final state alone); sums
+are fp32, and so are the state, the scratch and every exponential. Under Triton's interpreter the 16-bit dot is
+wrong and TF32 is full fp32 (triton 3.9), so `_dot` rounds the operands as the tensor cores take them (16-bit:
+to nearest even; TF32: low 13 bits dropped, the coarser of the hardware's choices) and multiplies exactly: the
+CPU tests measure the GPU's rounding.
+
+**Context parallelism.** A slice of a sequence maps a start state S to M S + S_zero (the chunk step is affine in
+S: S_{n+1} = (diag(d_n) − k̃_nᵀ w_n) S_n + k̃_nᵀ u_n). `kda_cp_prepass_triton` returns S_zero (the state pass
+from zero) and M (the same pass with u = 0 from S = I); a document start inside the slice zeroes M. Running a
+slice from a given start state is `kda_chunk_fwd_triton(..., initial_state=S)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .registry import interpreted, tl, triton, triton_available
+
+SUB_CHUNK = 16   # BC: rows of one diagonal block (its anchored exponentials span at most 15 gates)
+
+if triton is not None:
+    @triton.jit
+    def _to16(x, DT: tl.constexpr, EMULATE: tl.constexpr):
+        """x in DT, rounded to nearest even as on the GPU (the interpreter truncates fp32 to bf16: the bits are
+        rounded first, so the conversion is exact)."""
+        if EMULATE:
+            if DT == tl.bfloat16:
+                bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                x = bits.to(tl.float32, bitcast=True)
+        return x.to(DT)
+
+    @triton.jit
+    def _dot(a, b, acc, P: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+        """acc + a @ b, accumulated in fp32, operands as P says: "ieee" fp32, "tf32" (10-bit mantissas), "16" (DT:
+        bf16 / fp16). Under the interpreter (EMULATE), whose 16-bit dot is wrong and whose TF32 is full fp32, the
+        operands are rounded as the tensor cores take them (TF32: low 13 bits dropped) and multiplied exactly."""
+        if P == "16":
+            a = _to16(a, DT, EMULATE)
+            b = _to16(b, DT, EMULATE)
+            if EMULATE:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        elif P == "tf32":
+            if EMULATE:
+                a = (a.to(tl.float32).to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                b = (b.to(tl.float32).to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return acc
+
+    @triton.jit
+    def _intra_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr,
+                      T, H, K, V, N, scale,
+                      C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_RESET: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr,
+                      EMULATE: tl.constexpr):
+        # program (chunk n, row bh = b·H + h). Inputs [B, T, H, ·] dense; scratch [B·H, N, C, ·] dense,
+        # d [B·H, N, K].
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        rows = tl.arange(0, C)
+        t = n * C + rows
+        valid = t < T
+        tok = (b * T + t) * H + h                                   # token·H + h of every chunk row  [C]
+        if HAS_RESET:
+            rst = tl.load(reset_ptr + b * T + t, mask=valid, other=0)
+        else:
+            rst = tl.zeros([C], dtype=tl.int32)
+        seg = tl.cumsum(rst, 0)                                     # segment of every row
+        n_seg = tl.sum(rst, 0)
+        first = seg == 0                                            # rows that see the entering state
+        last = seg == n_seg                                         # rows that write the leaving state
+        out = (bh * N + n) * C + rows                               # scratch rows of this chunk  [C]
+
+        # chunk-level factors: q̃, k̃ and the state decay d
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            m = valid[:, None] & (kk[None, :] < K)
+            g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            gam = tl.cumsum(g, 0)                                   # Γ_r
+            suffix = tl.cumsum(g, 0, reverse=True) - g              # g(j, C−1]
+            qd = tl.where(first[:, None], scale * q * tl.exp(gam), 0.0)
+            kd = tl.where(last[:, None], kt * tl.exp(suffix), 0.0)
+            ms = kk[None, :] < K
+            tl.store(qd_ptr + out[:, None] * K + kk[None, :], qd, mask=ms)
+            tl.store(kd_ptr + out[:, None] * K + kk[None, :], kd, mask=ms)
+            dn = tl.where(n_seg == 0, tl.exp(tl.sum(g, 0)), 0.0)
+            tl.store(d_ptr + (bh * N + n) * K + kk, dn, mask=kk < K)
+
+        lr = tl.arange(0, BC)
+        for a in range(C // BC):                                    # query sub-blocks, in order (the solve)
+            na = a * BC
+            ra = na + lr
+            ta = n * C + ra
+            va = ta < T
+            toka = (b * T + ta) * H + h
+            seg_a = tl.sum(tl.where(rows[None, :] <= ra[:, None], rst[None, :], 0), 1)
+            beta_a = tl.load(beta_ptr + toka, mask=va, other=0.0).to(tl.float32)
+            before = rows < na                                       # keys of earlier sub-blocks
+            s_kk = tl.zeros([BC, C], dtype=tl.float32)              # strips against earlier keys
+            s_qk = tl.zeros([BC, C], dtype=tl.float32)
+            d_kk = tl.zeros([BC, BC], dtype=tl.float32)             # diagonal blocks
+            d_qk = tl.zeros([BC, BC], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                kk = k0 + tl.arange(0, BK)
+                m = valid[:, None] & (kk[None, :] < K)
+                g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                g_in = tl.where(rows[:, None] <= na, g, 0.0)
+                to_anchor = tl.cumsum(g_in, 0, reverse=True) - g_in  # g(j, n_a] for j < n_a
+                k_off = tl.where(before[:, None], kt * tl.exp(tl.where(before[:, None], to_anchor, 0.0)), 0.0)
+                ma = va[:, None] & (kk[None, :] < K)
+                g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=ma, other=0.0).to(tl.float32)
+                q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=ma, other=0.0).to(tl.float32)
+                k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=ma, other=0.0).to(tl.float32)
+                f = tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)  # g(n_a, r]
+                e = tl.exp(f)
+                qf = q_a * e
+                kf = k_a * e
+                k_back = k_a * tl.exp(-f)                            # ≤ e^{75} for gates ≥ −5
+                s_kk = _dot(kf, tl.trans(k_off), s_kk, PAIR, DT, EMULATE)
+                s_qk = _dot(qf, tl.trans(k_off), s_qk, PAIR, DT, EMULATE)
+                d_kk = _dot(kf, tl.trans(k_back), d_kk, PAIR, DT, EMULATE)
+                d_qk = _dot(qf, tl.trans(k_back), d_qk, PAIR, DT, EMULATE)
+            same = seg_a[:, None] == seg[None, :]
+            same_d = seg_a[:, None] == seg_a[None, :]
+            a_rows = (bh * N + n) * C + ra
+            # Aqk: the strip (keys before the sub-block; zeros after it) and the diagonal block
+            tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], tl.where(same, s_qk * scale, 0.0),
+                     mask=(rows[None, :] < na) | (rows[None, :] >= na + BC))
+            tl.store(A_ptr + a_rows[:, None] * C + ra[None, :],
+                     tl.where(same_d & (lr[None, :] <= lr[:, None]), d_qk * scale, 0.0))
+            l_off = tl.where(same, s_kk, 0.0) * beta_a[:, None]
+            l_diag = tl.where(same_d & (lr[None, :] < lr[:, None]), d_kk, 0.0) * beta_a[:, None]
+            # (I + L_aa)^{-1} by forward substitution: row i = e_i − Σ_{j<i} L[i, j] row j
+            inv = (lr[:, None] == lr[None, :]).to(tl.float32)
+            for i in range(1, BC):
+                l_i = tl.sum(tl.where(lr[:, None] == i, l_diag, 0.0), 0)
+                inv = tl.where(lr[:, None] == i, inv - tl.sum(l_i[:, None] * inv, 0)[None, :], inv)
+            first_a = (seg_a == 0)[:, None]
+            for k0 in range(0, K, BK):
+                kk = k0 + tl.arange(0, BK)
+                mk = kk[None, :] < K
+                m = valid[:, None] & mk
+                g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=va[:, None] & mk,
+                              other=0.0).to(tl.float32)
+                k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va[:, None] & mk,
+                              other=0.0).to(tl.float32)
+                gam_a = tl.sum(tl.where(before[:, None], g, 0.0), 0)[None, :] + tl.cumsum(g_a, 0)
+                rhs = tl.where(first_a, beta_a[:, None] * k_a * tl.exp(gam_a), 0.0)
+                w_prev = tl.load(w_ptr + out[:, None] * K + kk[None, :], mask=before[:, None] & mk, other=0.0)
+                x = rhs - _dot(l_off, w_prev, tl.zeros([BC, BK], dtype=tl.float32), SOLVE, DT, EMULATE)
+                w_a = _dot(inv, x, tl.zeros([BC, BK], dtype=tl.float32), SOLVE, DT, EMULATE)
+                tl.store(w_ptr + a_rows[:, None] * K + kk[None, :], w_a, mask=mk)
+            for v0 in range(0, V, BV):
+                vv = v0 + tl.arange(0, BV)
+                mv = vv[None, :] < V
+                v_a = tl.load(v_ptr + toka[:, None] * V + vv[None, :], mask=va[:, None] & mv,
+                              other=0.0).to(tl.float32)
+                u_prev = tl.load(u_ptr + out[:, None] * V + vv[None, :], mask=before[:, None] & mv, other=0.0)
+                x = beta_a[:, None] * v_a - _dot(l_off, u_prev, tl.zeros([BC, BV], dtype=tl.float32), SOLVE, DT,
+                                                 EMULATE)
+                u_a = _dot(inv, x, tl.zeros([BC, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
+                tl.store(u_ptr + a_rows[:, None] * V + vv[None, :], u_a, mask=mv)
+            tl.debug_barrier()   # the next sub-block reads these rows back
+
+    @triton.jit
+    def _state_kernel(w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr, s0_ptr, o_ptr, sN_ptr, T, H, K, V, N,
+                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, S0: tl.constexpr, HAS_U: tl.constexpr,
+                      OUT: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (row bh, block of BV state columns); the state's K rows and BV columns stay in fp32 registers
+        # through all chunks. S0: 0 zeros, 1 loaded from s0 [B·H, K, V], 2 the identity (the transition, V = K).
+        # HAS_U False: u = 0. OUT: write O into o [B, T, H, V].
+        bh = tl.program_id(0).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        c = tl.arange(0, C)
+        kk = tl.arange(0, BK)
+        vv = tl.program_id(1) * BV + tl.arange(0, BV)
+        mk = kk < K
+        mv = vv < V
+        m_kv = mk[:, None] & mv[None, :]
+        if S0 == 1:
+            S = tl.load(s0_ptr + bh * K * V + kk[:, None] * V + vv[None, :], mask=m_kv, other=0.0)
+        elif S0 == 2:
+            S = tl.where(m_kv & (kk[:, None] == vv[None, :]), 1.0, 0.0)
+        else:
+            S = tl.zeros([BK, BV], dtype=tl.float32)
+        for n in range(N):
+            rws = (bh * N + n) * C + c
+            w = tl.load(w_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
+            U = -_dot(w, S, tl.zeros([C, BV], dtype=tl.float32), STATE, DT, EMULATE)
+            if HAS_U:
+                U += tl.load(u_ptr + rws[:, None] * V + vv[None, :], mask=mv[None, :], other=0.0)
+            if OUT:
+                qd = tl.load(qd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
+                A = tl.load(A_ptr + rws[:, None] * C + c[None, :])
+                o = _dot(A, U, _dot(qd, S, tl.zeros([C, BV], dtype=tl.float32), STATE, DT, EMULATE), STATE, DT, EMULATE)
+                t = n * C + c
+                tl.store(o_ptr + ((b * T + t) * H + h)[:, None] * V + vv[None, :],
+                         _to16(o, o_ptr.dtype.element_ty, EMULATE), mask=(t < T)[:, None] & mv[None, :])
+            kd = tl.load(kd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
+            dn = tl.load(d_ptr + (bh * N + n) * K + kk, mask=mk, other=0.0)
+            S = dn[:, None] * S + _dot(tl.trans(kd), U, tl.zeros([BK, BV], dtype=tl.float32), STATE, DT, EMULATE)
+        tl.store(sN_ptr + bh * K * V + kk[:, None] * V + vv[None, :], S, mask=m_kv)
+
+
+_DT16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _pow2(x: int) -> int:
+    return max(16, 1 << (x - 1).bit_length())
+
+
+def intra_config(C: int, K: int, V: int) -> dict:
+    """The intra-chunk kernel's launch config from the shapes: K and V in pieces of at most 64 columns, 8 warps for
+    64-column pieces."""
+    BK, BV = min(_pow2(K), 64), min(_pow2(V), 64)
+    return dict(BK=BK, BV=BV, num_warps=8 if max(BK, BV) >= 64 else 4, num_stages=2)
+
+
+def state_config(K: int, V: int, ieee: bool) -> dict:
+    """The state pass's launch config: the whole key dim, state columns in blocks (32 at K = 128: a [128, 32]
+    fp32 state is 32 registers a thread at 4 warps). One stage at K = 128: pipelined, the fp32 [C, K] tiles it
+    reads per chunk need more shared memory than Hopper has (385 KB at three stages, 262 KB at two). IEEE dots
+    (fp32 inputs) run on the CUDA cores with both operands in registers: 16 columns and 8 warps at K = 128 (sm_90
+    offline compile: 0.9 KB of spills a thread, against 11 KB at 32 columns and 4 warps)."""
+    BK = _pow2(K)
+    if ieee and BK > 64:
+        return dict(BK=BK, BV=min(_pow2(V), 16), num_warps=8, num_stages=1)
+    return dict(BK=BK, BV=min(_pow2(V), 64 if BK <= 64 else 32), num_warps=4, num_stages=2 if BK <= 64 else 1)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+           reset: Tensor | None, chunk_size: int, name: str):
+    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"{name}: q, k and g must be [B, T, H, K] alike, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(g.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(f"{name}: v must be [B, T, H, V] and beta [B, T, H] for q {tuple(q.shape)}, got "
+                         f"{tuple(v.shape)} and {tuple(beta.shape)}")
+    if T == 0:
+        raise ValueError(f"{name}: KDA needs at least one token")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{name}: q, k, v must share one dtype of float32, bfloat16, float16 (the kernels compute in "
+                         f"fp32; float64 is delta_rule.kda_chunk's), got {q.dtype}, {k.dtype}, {v.dtype}")
+    if K > 256 or v.shape[-1] > 256:
+        raise ValueError(f"{name}: K={K}, V={v.shape[-1]} must be at most 256 (the state rows stay in registers)")
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"{name}: chunk_size={chunk_size} must be 16, 32 or 64 (sub-blocks of {SUB_CHUNK} rows)")
+    if initial_state is not None and (initial_state.shape != (B, H, K, v.shape[-1])
+                                      or initial_state.dtype != torch.float32):
+        raise ValueError(f"{name}: initial_state must be float32 [B, H, K, V] = {[B, H, K, v.shape[-1]]}, got "
+                         f"{initial_state.dtype} {list(initial_state.shape)}")
+    if reset is not None and reset.shape != (B, T):
+        raise ValueError(f"{name}: reset must be [B, T] = {[B, T]}, got {list(reset.shape)}")
+    tensors = [t for t in (q, k, v, g, beta, initial_state, reset) if t is not None]
+    devices = {t.device for t in tensors}
+    if len(devices) > 1 or not triton_available(devices.pop()):
+        raise RuntimeError(f"{name} needs Triton and its tensors on one CUDA device (or TRITON_INTERPRET=1), got "
+                           f"{sorted({str(t.device) for t in tensors})}")
+
+
+PRECISION = {"pair": "16", "solve": "tf32", "state": "tf32"}
+"""Operands of the dots for 16-bit inputs (fp32 inputs: "ieee" everywhere): "pair" the pairwise strips of L and
+Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dtype), "tf32" or "ieee"."""
+
+
+def _dots(dtype: torch.dtype, *which: str) -> dict:
+    """The dot operands of `which` ("pair", "solve", "state") for inputs of `dtype` (fp32: "ieee" everywhere), the
+    16-bit type and whether the interpreter emulates the tensor cores' rounding."""
+    prec = {w.upper(): PRECISION[w] if dtype in _DT16 else "ieee" for w in which}
+    return dict(prec, DT=getattr(tl, _DT16.get(dtype, "float32")), EMULATE=interpreted())
+
+
+def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None = None, *,
+                     scale: float, chunk_size: int = 64) -> dict[str, Tensor]:
+    """The intra-chunk quantities of every chunk (module docstring), one program per (chunk, sequence × head).
+
+    q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], reset [B, T] bool or None. Returns fp32 tensors over
+    rows R = B·H (b-major) and chunks N = ⌈T / C⌉ (the last chunk zero-padded): w, q̃ ("qd"), k̃ ("kd")
+    [R, N, C, K], u [R, N, C, V], Aqk ("A") [R, N, C, C], d [R, N, K]."""
+    _check(q, k, v, g, beta, None, reset, chunk_size, "kda_intra_triton")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    N = -(-T // C)
+    R = B * H
+    f32 = dict(dtype=torch.float32, device=q.device)
+    x = dict(w=torch.empty(R, N, C, K, **f32), u=torch.empty(R, N, C, V, **f32), qd=torch.empty(R, N, C, K, **f32),
+             kd=torch.empty(R, N, C, K, **f32), A=torch.empty(R, N, C, C, **f32), d=torch.empty(R, N, K, **f32))
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    rst = reset.to(torch.int32).contiguous() if reset is not None else q   # q: a pointer never read
+    cfg = intra_config(C, K, V)
+    _intra_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["A"], x["d"],
+                          T, H, K, V, N, float(scale), C=C, BC=SUB_CHUNK, BK=cfg["BK"], BV=cfg["BV"],
+                          HAS_RESET=reset is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                          **_dots(q.dtype, "pair", "solve"))
+    return x
+
+
+def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
+                s0: Tensor | None, identity: bool, with_u: bool, out: Tensor | None) -> Tensor:
+    """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V]."""
+    R, N, C = x["w"].shape[:3]
+    cfg = state_config(K, V, ieee=dtype not in _DT16)
+    sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
+    s0_ptr = s0.contiguous() if s0 is not None else sN
+    mode = 2 if identity else (1 if s0 is not None else 0)
+    _state_kernel[(R, triton.cdiv(V, cfg["BV"]))](
+        x["w"], x["u"], x["qd"], x["kd"], x["A"], x["d"], s0_ptr, out if out is not None else sN, sN,
+        T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u, OUT=out is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dots(dtype, "state"))
+    return sN
+
+
+def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                         initial_state: Tensor | None = None, reset: Tensor | None = None, *, scale: float,
+                         chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """KDA forward as Triton kernels: the contract of `delta_rule.kda_chunk` / `kda_recurrent` for float32 and
+    16-bit inputs with bounded gates (g ∈ [−5, 0], module docstring).
+
+    q, k [B, T, H, K] (L2-normalized), v [B, T, H, V] (one dtype: float32, bfloat16 or float16), g [B, T, H, K]
+    log-decay, beta [B, T, H], initial_state [B, H, K, V] float32 or None, reset [B, T] bool (the state is zeroed
+    before each True token). Returns o [B, T, H, V] in v.dtype and the final state [B, H, K, V] float32."""
+    _check(q, k, v, g, beta, initial_state, reset, chunk_size, "kda_chunk_fwd_triton")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size)
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=o)
+    return o, sN
+
+
+def kda_cp_prepass_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None = None,
+                          *, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """What one slice of a sequence does to the state, for context parallelism: for every start state S,
+    the slice's final state is M S + S_zero.
+
+    Inputs as `kda_chunk_fwd_triton` (the slice's tokens). Returns (S_zero [B, H, K, V]: the final state from a
+    zero start, M [B, H, K, K]: the product over the slice's chunks of diag(d_n) − k̃_nᵀ w_n, later chunks on the
+    left), both float32. A document start inside the slice makes M zero. Then the ranks chain
+    S_{i+1} = M_i S_i + S_zero_i, and each runs its slice with `kda_chunk_fwd_triton(initial_state=S_i)`."""
+    _check(q, k, v, g, beta, None, reset, chunk_size, "kda_cp_prepass_triton")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    x = kda_intra_triton(q, k, v, g, beta, reset, scale=1.0, chunk_size=chunk_size)
+    s_zero = _state_pass(x, B, T, H, K, V, q.dtype, s0=None, identity=False, with_u=True, out=None)
+    M = _state_pass(x, B, T, H, K, K, q.dtype, s0=None, identity=True, with_u=False, out=None)
+    return s_zero, M

@@ -1,0 +1,255 @@
+"""The Triton chunked KDA forward (kimi/ops/kda_triton.py) against the float64 recurrence `kda_recurrent` and the
+fp32 chunked form `kda_chunk`: outputs, final states, the intra-chunk quantities and the context-parallel pre-pass.
+
+Inputs are fresh each run (conftest seeds torch; hypothesis draws its own seed). Without a GPU the kernels run
+through Triton's interpreter (conftest sets TRITON_INTERPRET=1), which for 16-bit inputs rounds the dot operands
+as the tensor cores do (kda_triton's `_dot`), so the bf16 tolerances below are the GPU's; the `gpu` tests run the
+K3 shape on the H200.
+
+Tolerances (‖out − ref‖ / ‖ref‖ against float64 on the same, already rounded, inputs):
+- fp32 inputs: 3e-6. Every dot is IEEE fp32; the one error beyond `kda_chunk`'s (~1e-7) is the anchored diagonal
+  block, e^{g(n,r]} · e^{−g(n,j]} as two rounded factors whose exponents reach ±75 with gates of −5: measured
+  ≤ 6e-7. A wrong mask, decay or segment is O(1e-2) or more.
+- bf16 inputs: 5e-3 for o and the state (FLA's own ratio for chunk_kda, KDA.md §14). The bf16 output itself is
+  rounded (~1.7e-3 of the norm); the pairwise strips take bf16 operands (q·e^g rounded: ~2e-3 on Aqk), the solve
+  and the state pass TF32 ones: measured o 2.0–2.6e-3, state 0.9–1.2e-3.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from helpers import rel_err, resets
+from kimi import kda
+from kimi.ops import delta_rule, kda_triton as kt
+from kimi.ops.registry import triton
+
+pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F64 = torch.float64
+FP32_TOL, BF16_TOL = 3e-6, 5e-3
+GATES = ["bounded", "saturated", "near zero", "mixed"]
+
+
+def _gate(kind, B, T, H, K, gen=None):
+    """K3's bounded gates: lb·sigmoid (lb = −5), all at the bound, all near 0, and each entry −5 or near 0."""
+    rn = lambda *s: torch.randn(*s, dtype=F64, generator=gen)
+    near0 = -1e-3 * torch.rand(B, T, H, K, dtype=F64, generator=gen)
+    if kind == "bounded":
+        a_log = (1 + 15 * torch.rand(H, dtype=F64, generator=gen)).log()
+        return kda.kda_gate(rn(B, T, H, K), a_log, rn(H * K), -5.0)
+    if kind == "saturated":
+        return torch.full((B, T, H, K), -5.0, dtype=F64)
+    if kind == "near zero":
+        return near0
+    if kind == "mixed":
+        return torch.where(torch.rand(B, T, H, K, generator=gen) < 0.5, -5.0, near0)
+    raise ValueError(kind)
+
+
+def _inputs(B, T, H, K, V, gate="bounded", dtype=torch.float32, h0=True, seed=None):
+    """q, k (unit rows), v in `dtype`; g, beta and the initial state in fp32 (as the layer passes them)."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, dtype=F64, generator=gen)
+    x = dict(q=kda.l2norm(rn(B, T, H, K)).to(dtype), k=kda.l2norm(rn(B, T, H, K)).to(dtype),
+             v=rn(B, T, H, V).to(dtype), g=_gate(gate, B, T, H, K, gen).float(),
+             beta=torch.sigmoid(rn(B, T, H)).float(), initial_state=rn(B, H, K, V).float() if h0 else None)
+    return {n: t.to(DEVICE) if t is not None else None for n, t in x.items()}
+
+
+def _f64(x):
+    return {n: t.cpu().double() if t is not None else None for n, t in x.items()}
+
+
+def _call(fn, x, reset=None, scale=0.25, **kw):
+    return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"],
+              reset.to(x["q"].device) if reset is not None else None, scale=scale, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+CASES = {   # name: (B, T, H, K, V, gate, reset positions per row, initial state)
+    "bounded, resets inside and at a chunk edge": (2, 100, 2, 32, 16, "bounded", [[5, 40], [64]], True),
+    "documents in a row, near-zero / -5 gates": (2, 150, 2, 16, 24, "mixed", [[0, 17, 18, 64, 128, 149], []], True),
+    "saturated at -5, no initial state": (1, 70, 2, 32, 32, "saturated", None, False),
+    "near-zero gates, one short chunk": (2, 37, 1, 16, 16, "near zero", [[], [36]], True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_matches_float64_recurrence(case, dtype):
+    """o and the final state against the float64 recurrence on the same inputs, T not a multiple of the chunk, with
+    packed documents; for fp32 also no worse than 4x the traced fp32 `kda_chunk` (+1e-6)."""
+    B, T, H, K, V, gate, pos, h0 = CASES[case]
+    x = _inputs(B, T, H, K, V, gate, dtype, h0)
+    reset = resets(B, T, pos) if pos else None
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset)
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset)
+    assert o.dtype == dtype and o.shape == (B, T, H, V) and S.dtype == torch.float32 and S.shape == (B, H, K, V)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    assert rel_err(o.cpu(), o_ref) < tol and rel_err(S.cpu(), S_ref) < tol
+    if dtype == torch.float32:
+        o_c, S_c = _call(delta_rule.kda_chunk, x, reset)
+        assert rel_err(o.cpu(), o_ref) <= 4 * rel_err(o_c.cpu(), o_ref) + 1e-6
+        assert rel_err(S.cpu(), S_ref) <= 4 * rel_err(S_c.cpu(), S_ref) + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dim_128(dtype):
+    """The release's K = V = 128 (state blocks of 32 columns, key pieces of 64) at a tiny T, a document start
+    inside the one short chunk."""
+    x = _inputs(1, 40, 1, 128, 128, "bounded", dtype)
+    reset = resets(1, 40, [[23]])
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset, scale=128 ** -0.5)
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    assert rel_err(o.cpu(), o_ref) < tol and rel_err(S.cpu(), S_ref) < tol
+    if dtype == torch.bfloat16:   # the fast path really rounds its operands: not the fp32 run's result rounded
+        o32, S32 = _call(kt.kda_chunk_fwd_triton, {n: t.float() for n, t in x.items()}, reset, scale=128 ** -0.5)
+        assert not torch.equal(o, o32.to(dtype)) and not torch.equal(S, S32)
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), T=st.integers(1, 140), H=st.integers(1, 2), K=st.sampled_from([16, 24, 32]),
+       V=st.sampled_from([16, 20, 32]), chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES),
+       h0=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_forward_any_shape(data, T, H, K, V, chunk_size, gate, h0, seed):
+    """Drawn lengths, widths (K, V not powers of two: masked pieces), chunk sizes, gates and document starts, fp32."""
+    x = _inputs(1, T, H, K, V, gate, h0=h0, seed=seed)
+    reset = resets(1, T, [data.draw(st.lists(st.integers(0, T - 1), max_size=5))])
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset)
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, chunk_size=chunk_size)
+    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(S.cpu(), S_ref) < FP32_TOL
+
+
+def test_intra_chunk_quantities():
+    """`kda_intra_triton`'s w, u, q̃, k̃, d and Aqk against their definitions (kda_triton's docstring) in float64:
+    pairwise exponentials over [C, C, K], the solve by `solve_triangular`, segments from the resets."""
+    B, T, H, K, V, C = 1, 64, 2, 16, 24, 32
+    x = _inputs(B, T, H, K, V, "bounded", h0=False)
+    reset = resets(B, T, [[9, 32, 50]])
+    got = kt.kda_intra_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], reset.to(DEVICE), scale=0.25,
+                              chunk_size=C)
+    N = T // C
+    q, k, v, g, beta = (t.cpu().double().transpose(1, 2).reshape(B * H, N, C, -1) for t in
+                        (x["q"], x["k"], x["v"], x["g"], x["beta"][..., None]))
+    seg = reset.reshape(B, 1, N, C).expand(B, H, N, C).reshape(B * H, N, C).long().cumsum(-1)
+    same = seg[..., :, None] == seg[..., None, :]
+    row = torch.arange(C)
+    gam = g.cumsum(-2)
+    span = torch.where((row[:, None] >= row[None, :])[..., None], gam[..., :, None, :] - gam[..., None, :, :],
+                       float("-inf"))                                      # g(j, r] for j <= r
+    pair = lambda a: (a[..., :, None, :] * k[..., None, :, :] * span.exp()).sum(-1)
+    L = torch.where(same & (row[:, None] > row[None, :]), pair(k), 0.0) * beta
+    A = torch.where(same & (row[:, None] >= row[None, :]), pair(q), 0.0) * 0.25
+    first, last = (seg == 0)[..., None], (seg == seg[..., -1:])[..., None]
+    eye = torch.eye(C, dtype=F64)
+    inv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    want = dict(w=inv @ (beta * k * gam.exp() * first), u=inv @ (beta * v), qd=0.25 * q * gam.exp() * first,
+                kd=k * (gam[..., -1:, :] - gam).exp() * last, A=A,
+                d=gam[..., -1, :].exp() * (seg[..., -1:] == 0))
+    for name, ref in want.items():
+        assert got[name].shape == ref.shape, name
+        assert rel_err(got[name].cpu(), ref) < 1e-5, name
+
+
+# ---------------------------------------------------------------------------------------------- context parallelism
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cp_prepass_is_the_slice_map(dtype):
+    """S_end = M S_start + S_zero for a random S_start, against the float64 forward from S_start; M against the
+    float64 transition (the recurrence from S = I with v = 0); a document start in the slice makes M exactly 0.
+    Then two slices chained by their pre-passes give the whole sequence's final state, and the second slice run
+    from the chained state gives the whole sequence's outputs there."""
+    B, T, H, K, V = 2, 90, 2, 16, 24
+    x = _inputs(B, T, H, K, V, "bounded", dtype, h0=False)
+    reset = resets(B, T, [[], [70]])
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    s_zero, M = kt.kda_cp_prepass_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], reset.to(DEVICE), chunk_size=32)
+    assert s_zero.shape == (B, H, K, V) and M.shape == (B, H, K, K) and M.dtype == s_zero.dtype == torch.float32
+    x64 = _f64(x)
+    s_start = torch.randn(B, H, K, V, dtype=F64)
+    _, S_ref = _call(delta_rule.kda_recurrent, x64 | {"initial_state": s_start}, reset)
+    assert rel_err(M.cpu().double() @ s_start + s_zero.cpu(), S_ref) < tol
+    zeros_v = torch.zeros(B, T, H, K, dtype=F64)
+    _, M_ref = _call(delta_rule.kda_recurrent, x64 | {"v": zeros_v, "initial_state": torch.eye(K, dtype=F64)
+                                                      .expand(B, H, K, K)}, reset)
+    assert rel_err(M[0].cpu(), M_ref[0]) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(M[1].cpu(), torch.zeros(H, K, K))                   # row 1 has a document start
+
+    cut = 50                                                               # two "ranks": [0, 50) and [50, 90)
+    part = lambda lo, hi: {n: t[:, lo:hi] for n, t in x.items() if n != "initial_state"}
+    rst = lambda lo, hi: reset[:, lo:hi].to(DEVICE)
+    (z0, M0), (z1, M1) = (kt.kda_cp_prepass_triton(**part(lo, hi), reset=rst(lo, hi)) for lo, hi in ((0, cut),
+                                                                                                      (cut, T)))
+    s_cut = z0                                                             # rank 0 starts from zero
+    s_end = M1 @ s_cut + z1
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, x64, reset)
+    assert rel_err(s_end.cpu(), S_ref) < tol
+    o1, S1 = kt.kda_chunk_fwd_triton(**part(cut, T), initial_state=s_cut, reset=rst(cut, T), scale=0.25)
+    assert rel_err(o1.cpu(), o_ref[:, cut:]) < tol and rel_err(S1.cpu(), S_ref) < tol
+
+
+# ---------------------------------------------------------------------------------------------- contract
+
+def test_rejects_what_it_cannot_run():
+    x = _inputs(1, 20, 1, 16, 16)
+    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
+        _call(kt.kda_chunk_fwd_triton, {n: t.double() for n, t in x.items()})
+    with pytest.raises(ValueError, match="chunk_size=24 must be 16, 32 or 64"):
+        _call(kt.kda_chunk_fwd_triton, x, chunk_size=24)
+    with pytest.raises(ValueError, match="initial_state must be float32"):
+        _call(kt.kda_chunk_fwd_triton, x | {"initial_state": x["initial_state"].double()})
+    with pytest.raises(ValueError, match="reset must be"):
+        _call(kt.kda_chunk_fwd_triton, x, reset=torch.zeros(1, 19, dtype=torch.bool))
+    with pytest.raises(ValueError, match="at least one token"):
+        _call(kt.kda_chunk_fwd_triton, {n: t[:, :0] if n != "initial_state" else t for n, t in x.items()})
+
+
+# ---------------------------------------------------------------------------------------------- H200
+
+def _k3_inputs(dtype, T=8192, H=96, B=1, K=128):
+    x = _inputs(B, T, H, K, K, "bounded", dtype)
+    return x, resets(B, T, [[0, 1300, 1847, 3895, 4858, 5129]])            # FlashKDA's varlen documents
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("documents", [False, True])
+def test_gpu_k3_shape_matches_chunk(dtype, documents):
+    """B = 1, T = 8192, H = 96, K = V = 128 against `kda_chunk` in fp32 (IEEE matmuls) on the same inputs: bf16
+    within FLA's 5e-3, fp32 within 2e-5 (measured on the CPU at small shapes ≤ 6e-7 against float64)."""
+    x, reset = _k3_inputs(dtype)
+    reset = reset.cuda() if documents else None
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        o_ref, S_ref = _call(delta_rule.kda_chunk, {n: t.float() for n, t in x.items()}, reset, scale=128 ** -0.5)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
+    tol = 2e-5 if dtype == torch.float32 else BF16_TOL
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_err(o, o_ref) < tol and rel_err(S, S_ref) < tol
+
+
+@pytest.mark.gpu
+def test_gpu_matches_float64_recurrence():
+    """bf16 at K = V = 128 over 16 chunks and 8 heads against the float64 recurrence, with documents."""
+    x, _ = _k3_inputs(torch.bfloat16, T=1024, H=8)
+    reset = resets(1, 1024, [[100, 640, 641]]).cuda()
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, {n: t.double() for n, t in x.items()}, reset,
+                         scale=128 ** -0.5)
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
+    assert rel_err(o, o_ref) < BF16_TOL and rel_err(S, S_ref) < BF16_TOL
+
+
+@pytest.mark.gpu
+def test_gpu_cp_prepass_at_k3_width():
+    """The pre-pass at K = V = 128, T = 4096, bf16: M S + S_zero against the forward from S."""
+    x, _ = _k3_inputs(torch.bfloat16, T=4096, H=8)
+    s_zero, M = kt.kda_cp_prepass_triton(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    s = x["initial_state"]
+    _, S_ref = _call(delta_rule.kda_chunk, {n: t.float() for n, t in x.items()}, scale=128 ** -0.5)
+    assert rel_err(M @ s + s_zero, S_ref) < BF16_TOL
