@@ -160,3 +160,34 @@ class LargestTensor:
 
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
+
+
+def assert_backend_equals_gather(backend: "kimi.Backend", **cfg_changes) -> None:
+    """`backend` through a 2-layer model with an indexer (packed documents, padding; the caller sets a small
+    QUERY_BLOCK for several query blocks), fp32: the logits and every parameter's gradient of attn='gather'
+    (relative errors 1e-5 and 1e-4), and under torch.compile (fullgraph, aot_eager) the same logits."""
+    from kimi.config import KDAConfig
+    from kimi.params import tree_items, unflatten
+    cfg = tiny(num_hidden_layers=2, index_topk=4, linear_attn_config=KDAConfig(
+        num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)), **cfg_changes)
+    params = kimi.init_params(cfg, seed=int(torch.randint(1000, ())))
+    doc = torch.tensor([[0] * 13 + [1] * 6 + [2] * 3, [5] * 18 + [-1] * 4])
+    ids = torch.randint(0, cfg.vocab_size, doc.shape)
+    probe = torch.randn(*doc.shape, cfg.vocab_size)
+
+    def run(b):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in tree_items(params)}
+        logits = kimi.forward(unflatten(leaves), ids, cfg, b, document_ids=doc)
+        (logits * probe * (doc >= 0)[..., None]).sum().backward()
+        return logits.detach(), {k: v.grad for k, v in leaves.items() if v.grad is not None}
+    want, want_g = run(dataclasses.replace(backend, attn="gather", sparse_fwd="auto"))
+    got, got_g = run(backend)
+    real = doc >= 0
+    assert rel_err(got[real], want[real]) < 1e-5
+    assert got_g.keys() == want_g.keys()
+    for k, g in want_g.items():
+        assert rel_err(got_g[k], g) < 1e-4, k
+    compiled = torch.compile(kimi.forward, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        out = compiled(params, ids, cfg, backend, document_ids=doc)
+    assert rel_err(out[real], want[real]) < 1e-5

@@ -13,7 +13,7 @@ from kimi.ops.sparse_attention import sparse_mla_gather, sparse_mla_gather_bwd
 from kimi.ranges import cache_ranges, document_ranges
 
 from fake_cudnn import fake_cudnn
-from helpers import rel_err, tiny
+from helpers import assert_backend_equals_gather, rel_err
 from test_indexer_triton import _assert_valid_topk, _packed
 
 
@@ -133,36 +133,11 @@ def test_the_model_on_it_equals_gather(monkeypatch, sparse_fwd):
     logits and every parameter's gradient of attn='gather', and under torch.compile (fullgraph, the adapter's
     ops opaque with fakes) the same logits. The forward is the `sparse_fwd` chosen."""
     from kimi import ops
-    from kimi.config import KDAConfig
-    from kimi.params import tree_items, unflatten
     with fake_cudnn(monkeypatch, widths_checked=False) as dsa:
         monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
-        cfg = tiny(num_hidden_layers=2, index_topk=4, index_n_heads=16, index_head_dim=128,
-                   linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
-        params = kimi.init_params(cfg, seed=int(torch.randint(1000, ())))
-        doc = torch.tensor([[0] * 13 + [1] * 6 + [2] * 3, [5] * 18 + [-1] * 4])
-        ids = torch.randint(0, cfg.vocab_size, doc.shape)
-        probe = torch.randn(*doc.shape, cfg.vocab_size)
-
-        def run(backend):
-            leaves = {k: v.detach().clone().requires_grad_() for k, v in tree_items(params)}
-            logits = kimi.forward(unflatten(leaves), ids, cfg, backend, document_ids=doc)
-            (logits * probe * (doc >= 0)[..., None]).sum().backward()
-            return logits.detach(), {k: v.grad for k, v in leaves.items() if v.grad is not None}
-        base = dict(kda="chunk", moe="dense")
-        want, want_g = run(kimi.Backend(attn="gather", **base))
-        got, got_g = run(kimi.Backend(attn="cudnn", sparse_fwd=sparse_fwd, **base))
+        assert_backend_equals_gather(kimi.Backend(attn="cudnn", sparse_fwd=sparse_fwd, kda="chunk", moe="dense"),
+                                     index_n_heads=16, index_head_dim=128)
         assert dsa.calls["indexer_top_k_wrapper"] and dsa.calls["sparse_attention_backward_wrapper"]
-        real = doc >= 0
-        assert rel_err(got[real], want[real]) < 1e-5
-        assert got_g.keys() == want_g.keys()
-        for k, g in want_g.items():
-            assert rel_err(got_g[k], g) < 1e-4, k
-        compiled = torch.compile(kimi.forward, fullgraph=True, backend="aot_eager")
-        with torch.no_grad():
-            out = compiled(params, ids, cfg, kimi.Backend(attn="cudnn", sparse_fwd=sparse_fwd, **base),
-                           document_ids=doc)
-        assert rel_err(out[real], want[real]) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------ the real kernels

@@ -388,31 +388,6 @@ def test_triton_backend_equals_gather_in_the_model(monkeypatch):
     kernels as opaque ops with fakes) the same logits."""
     import kimi
     from kimi import ops
-    from kimi.config import KDAConfig
-    from kimi.params import tree_items, unflatten
-    from helpers import tiny
+    from helpers import assert_backend_equals_gather
     monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
-    cfg = tiny(num_hidden_layers=2, index_topk=4, linear_attn_config=KDAConfig(
-        num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
-    params = kimi.init_params(cfg, seed=int(torch.randint(1000, ())))
-    doc = torch.tensor([[0] * 13 + [1] * 6 + [2] * 3, [5] * 18 + [-1] * 4])
-    ids = torch.randint(0, cfg.vocab_size, doc.shape)
-    probe = torch.randn(*doc.shape, cfg.vocab_size)
-
-    def run(backend):
-        leaves = {k: v.detach().clone().requires_grad_() for k, v in tree_items(params)}
-        logits = kimi.forward(unflatten(leaves), ids, cfg, backend, document_ids=doc)
-        (logits * probe * (doc >= 0)[..., None]).sum().backward()
-        return logits.detach(), {k: v.grad for k, v in leaves.items() if v.grad is not None}
-    base = dict(kda="chunk", moe="dense")
-    want, want_g = run(kimi.Backend(attn="gather", **base))
-    got, got_g = run(kimi.Backend(attn="triton", **base))
-    real = doc >= 0
-    assert rel_err(got[real], want[real]) < 1e-5
-    assert got_g.keys() == want_g.keys()
-    for k, g in want_g.items():
-        assert rel_err(got_g[k], g) < 1e-4, k
-    compiled = torch.compile(kimi.forward, fullgraph=True, backend="aot_eager")
-    with torch.no_grad():
-        out = compiled(params, ids, cfg, kimi.Backend(attn="triton", **base), document_ids=doc)
-    assert rel_err(out[real], want[real]) < 1e-5
+    assert_backend_equals_gather(kimi.Backend(attn="triton", kda="chunk", moe="dense"))

@@ -106,18 +106,18 @@ if triton is not None:
         return valid, (b * S + tl.where(valid, ix, 0).to(tl.int64)) * D
 
     @triton.jit
+    def _fwd_program(NT, NV: tl.constexpr, NS):
+        """This forward program's (head tile, value block, key split, row = b·T + t), head tile fastest: the tiles
+        of one query run side by side and share its gathered rows through L2."""
+        pid = tl.program_id(0).to(tl.int64)
+        rest = pid // NT
+        return pid % NT, rest % NV, (rest // NV) % NS, rest // NV // NS
+
+    @triton.jit
     def _fwd_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, R, T, S, H, K, D, DV, h_start, NT, NS, KS, scale2,
                     BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, DTP: tl.constexpr,
                     IB: tl.constexpr, F32: tl.constexpr):
-        # program -> (row = b·T + t, key split, value block, head tile), head tile fastest: the tiles of one query
-        # run side by side and share its gathered rows through L2
-        pid = tl.program_id(0).to(tl.int64)
-        tile = pid % NT
-        rest = pid // NT
-        vb = rest % NV
-        rest = rest // NV
-        split = rest % NS
-        row = rest // NS
+        tile, vb, split, row = _fwd_program(NT, NV, NS)
         h = h_start + tile * BH + tl.arange(0, BH)
         hm = h < H
         q_row = q_ptr + (row * H + h) * D
@@ -292,13 +292,7 @@ if triton is not None:
         # `_fwd_kernel` transposed (`slot_major`): s^T = kv·q^T [BK, BH] and o^T += v^T·p^T [BV, BH], the slots on
         # the dots' M side, q^T and p^T their shared-memory B operands (wgmma: M = BK >= 64 rows a warpgroup, so a
         # 32-head tile runs on wgmma, and q is not held in registers); softmax statistics per column
-        pid = tl.program_id(0).to(tl.int64)
-        tile = pid % NT
-        rest = pid // NT
-        vb = rest % NV
-        rest = rest // NV
-        split = rest % NS
-        row = rest // NS
+        tile, vb, split, row = _fwd_program(NT, NV, NS)
         h = h_start + tile * BH + tl.arange(0, BH)
         hm = h < H
         q_row = q_ptr + (row * H + h) * D
