@@ -26,7 +26,7 @@ def _config(**changes) -> "it.IndexerLaunch":
     return base._replace(**changes)
 
 
-SMALL = [_config(block_q=1, block_k=16, chunk=16, programs=1), _config(block_q=2, programs=5)]
+SMALL = [_config(block_q=1, block_k=16, chunk=16, programs=1), _config(block_q=2, programs=5, histogram=True)]
 """One query a program with 16-entry chunks (one persistent program for every query), and two queries a program
 over five programs; None below is the configuration `indexer_topk_triton` chooses."""
 PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30)]
@@ -120,6 +120,21 @@ def test_exact_through_many_compactions(order):
     for topk, config in ((5, _config(block_k=16, chunk=16)), (37, None)):
         assert it._capacity(topk, 32 if config is None else 16, S) < S - 30     # compactions are needed
         _assert_exact(q, k.contiguous(), w, lo, hi, topk, False, config)
+
+
+@pytest.mark.parametrize("capacity", [0, 256])
+@pytest.mark.parametrize("histogram", [False, True])
+def test_exact_final_selection_over_distinct_scores(capacity, histogram):
+    """Scores all distinct, in random order, over more keys than the buffer holds (capacity 0: compactions along
+    the way) or fewer (256: one selection at the end; with `histogram` through the two histograms of `_select`,
+    the K-th key's bin copied behind the entries, the path a buffer with room takes): exactly the reference's."""
+    B, T, S, n, d = 2, 6, 200, 2, 16
+    q, w = torch.ones(B, T, n, d, device=DEVICE), torch.ones(B, T, n, device=DEVICE)
+    k = torch.stack([torch.randperm(S, device=DEVICE) for _ in range(B)]).float()[..., None].expand(B, S, d) / d
+    lo = torch.randint(0, 20, (B, T), device=DEVICE)
+    hi = torch.full((B, T), S, device=DEVICE)
+    for topk in (7, 40):
+        _assert_exact(q, k.contiguous(), w, lo, hi, topk, False, _config(capacity=capacity, histogram=histogram))
 
 
 DECODE = [(None, 5), (None, 300), (_config(split=32, block_k=16, chunk=16, merge_block=16), 5),

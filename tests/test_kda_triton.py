@@ -10,7 +10,7 @@ Tolerances (‖out − ref‖ / ‖ref‖ against float64 on the same, already r
 - fp32 inputs: 3e-6. Every dot is IEEE fp32; the one error beyond `kda_chunk`'s (~1e-7) is the anchored diagonal
   block, e^{g(n,r]} · e^{−g(n,j]} as two rounded factors whose exponents reach ±75 with gates of −5: measured
   ≤ 6e-7. A wrong mask, decay or segment is O(1e-2) or more.
-- bf16 inputs: 5e-3 for o and the state (FLA's own ratio for chunk_kda, KDA.md §14). The bf16 output itself is
+- bf16 inputs: 5e-3 for o and the state (the ratio fla's own chunk_kda tests use). The bf16 output itself is
   rounded (~1.7e-3 of the norm); the pairwise strips take bf16 operands (q·e^g rounded: ~2e-3 on Aqk), the solve
   and the state pass TF32 ones: measured o 2.0–2.6e-3, state 0.9–1.2e-3.
 """

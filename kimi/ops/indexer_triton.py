@@ -28,6 +28,8 @@ buffer (chunks folded elementwise, one cross-thread reduction a pass, loads pipe
 present, and two of every three trials interpolate between the bounds' counts, the third bisects. At the end the
 buffer is compacted loosely to topk + topk/4, then exactly: the topk-th largest key V, every entry above it and,
 of those equal to V, the earliest up to topk in total; positions are already ascending; the row is padded with -1.
+(`histogram=True` does the exact selection in fewer passes: two histograms locate a bin of about cnt / 256^2 keys
+holding V, those keys are copied behind the row's entries and searched alone.)
 
 **Memory.** Besides the output [B, T, topk], the prefill path holds one buffer per program of a persistent grid
 (about 2 programs per SM, each looping over query blocks, the longest first): programs × BM × CAP × 8 bytes, 52 MB
@@ -37,9 +39,9 @@ on an H200 at topk = 2048 (BM = 4, CAP = 3·topk), whatever T and S.
 pieces (split a multiple of BN, fixed by B, S and the SM count); program (b, piece) runs the same streaming top-k
 over its piece for a block of at most 4 queries and leaves its buffer (at most topk entries, ascending) and count
 in a workspace where each query's pieces lie side by side. A merge program per query then streams the candidates
-of the pieces its range reaches, in piece order (ascending positions), in large chunks through the same selection. Launch
-shapes depend on the shapes only: lengths come from lo/hi on the device, so the step can be captured in a CUDA
-graph. Workspace: B × T' × pieces × min(split, CAP) × 8 bytes (at most the cache's slots × 8 bytes a query
+of the pieces its range reaches, in piece order (ascending positions), in large chunks through the same
+selection. Launch shapes depend on the shapes only: lengths come from lo/hi on the device, so the step can be
+captured in a CUDA graph. Workspace: B × T' × pieces × min(split, CAP) × 8 bytes (at most the cache's slots × 8 bytes a query
 when split <= topk; T' is T rounded up to the query block) plus B × T × CAP' × 8 bytes for the merge's
 buffers.
 
@@ -54,6 +56,10 @@ import torch
 from torch import Tensor
 
 from .registry import fp32_matmuls_in_tf32, interpreted, sm_count, tl, triton, triton_available
+
+HIST_BINS = 256
+"""Bins of each of the final selection's two histograms (`_select`): the K-th key's bin of the second holds
+about cnt / HIST_BINS^2 entries on smooth scores."""
 
 DECODE_MAX_QUERIES = 16
 """Without `causal`, at most this many queries a row run on the split (decode) path when the keys span several
@@ -81,35 +87,33 @@ if triton is not None:
         return cnt + tl.sum(ki, axis=1)
 
     @triton.jit
-    def _compact(kb, pb, cnt, thr, K, SLACK, R: tl.constexpr, CH: tl.constexpr):
-        """Reduce every row holding more than K entries to its K best (largest key, then earliest entry), stably in
-        place; returns the new counts and thresholds. With SLACK > 0 a row may keep up to K + SLACK entries: every
-        entry >= some key V of which at least K are kept (V the new threshold: a later key equal to V loses the tie
-        to K earlier ones), which the bisection meets after a few passes instead of narrowing to the K-th key.
-        SLACK = 0: exactly K, the last of them the K-th key. Entries are read in chunks of CH; every entry of a
-        buffer is >= its row's threshold."""
-        tl.debug_barrier()                     # the appended entries are visible to every thread
-        act = cnt > K
-        n = tl.max(cnt)
+    def _bounds(kb, cnt, R: tl.constexpr, CH: tl.constexpr):
+        """The least and the largest of each row's first cnt keys (kb [R, 1] pointers), one pipelined pass folded
+        elementwise, one cross-thread reduction."""
         j = tl.arange(0, CH)[None, :]
-        # the passes below fold their chunks elementwise and reduce across the threads once a pass
         top = tl.full([R, CH], _FLOOR, tl.int32)
         least = tl.full([R, CH], 2147483647, tl.int32)
-        for c0 in tl.range(0, n, CH, num_stages=3):      # read-only passes: loads pipelined, latency hidden
+        for c0 in tl.range(0, tl.max(cnt), CH, num_stages=3):
             m = c0 + j < cnt[:, None]
             key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
             top = tl.maximum(top, key)
             least = tl.minimum(least, tl.where(m, key, 2147483647))
-        top = tl.max(top, axis=1)
-        # the largest V with at least K keys >= V: at least K keys (`at_lo` of them) are >= lo, and `above` (< K)
-        # keys are > hi. The bounds snap to keys present (the least key >= mid, the largest below), so it ends once
-        # [lo, hi] holds one distinct key. Two of every three steps interpolate mid between the bounds' counts
-        # (the keys' order is the scores', smooth enough that this lands near the K-th), the third bisects (at
-        # most three times bisection's passes whatever the data); 64-bit arithmetic, as [lo, hi] spans up to 2^32.
-        lo = tl.where(act, tl.min(least, axis=1), _FLOOR)
-        hi = tl.where(act, top, _FLOOR)
-        at_lo = cnt
-        above = tl.zeros([R], tl.int32)
+        return tl.min(least, axis=1), tl.max(top, axis=1)
+
+    @triton.jit
+    def _search(kb, cnt, act, lo, hi, K, SLACK, R: tl.constexpr, CH: tl.constexpr):
+        """For the `act` rows (the others must have lo = hi): a key V with K <= #(keys >= V) among the row's first
+        cnt keys, and #(keys > V) < K, searched in [lo, hi] (lo the least key, hi the largest). K may differ by
+        row. Returns (V, #(keys > V), whole): `whole` where #(keys >= V) <= K + SLACK was met early (every key >= V
+        stays); else V is the K-th largest key exactly. The bounds snap to keys present (the least key >= mid, the
+        largest below), so it ends once [lo, hi] holds one distinct key; two of every three trials interpolate mid
+        between the bounds' counts (the keys' order is the scores', smooth enough that this lands near the K-th),
+        the third bisects (at most three times bisection's passes whatever the data); 64-bit arithmetic, as
+        [lo, hi] spans up to 2^32 keys. Each pass: the keys in pipelined chunks, folded elementwise."""
+        j = tl.arange(0, CH)[None, :]
+        n = tl.max(cnt)
+        at_lo = cnt                            # keys >= lo
+        above = tl.zeros([R], tl.int32)        # keys > hi
         whole = tl.zeros([R], tl.int1)
         step = 0
         while tl.max(hi.to(tl.int64) - lo) > 0:
@@ -142,11 +146,16 @@ if triton is not None:
             whole = whole | enough
             above = tl.where(act & ~ok, ge, above)      # no key lies between `down` and mid
             hi = tl.where(act & ~ok, down, hi)
-        kth = lo
-        room = tl.where(whole, 2147483647, K - above)   # keys equal to the K-th that stay: the earliest ones
+        return lo, above, whole
+
+    @triton.jit
+    def _keep(kb, pb, cnt, act, kth, room, R: tl.constexpr, CH: tl.constexpr):
+        """Move down, stably in place, every entry of an `act` row above kth and the first `room` equal to it;
+        returns the kept counts (the other rows keep cnt)."""
+        j = tl.arange(0, CH)[None, :]
         kept = tl.zeros([R], tl.int32)
         ties = tl.zeros([R], tl.int32)
-        for c0 in range(0, n, CH):
+        for c0 in range(0, tl.max(cnt), CH):
             m = c0 + j < cnt[:, None]
             key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
             pos = tl.load(pb + c0 + j, mask=m, other=0)
@@ -161,7 +170,105 @@ if triton is not None:
             kept += tl.sum(ki, axis=1)
             ties += tl.sum(eq, axis=1)
         tl.debug_barrier()
-        return tl.where(act, kept, cnt), tl.where(act, kth, thr)
+        return tl.where(act, kept, cnt)
+
+    @triton.jit
+    def _compact(kb, pb, cnt, thr, K, SLACK, R: tl.constexpr, CH: tl.constexpr):
+        """Reduce every row holding more than K entries to its K best (largest key, then earliest entry), stably in
+        place; returns the new counts and thresholds. With SLACK > 0 a row may keep up to K + SLACK entries: every
+        entry >= some key V of which at least K are kept (V the new threshold: a later key equal to V loses the tie
+        to K earlier ones), which the search meets after a few passes instead of narrowing to the K-th key.
+        SLACK = 0: exactly K, the last of them the K-th key. Every entry of a buffer is >= its row's threshold."""
+        tl.debug_barrier()                     # the appended entries are visible to every thread
+        act = cnt > K
+        least, top = _bounds(kb, cnt, R, CH)
+        kth, above, whole = _search(kb, cnt, act, tl.where(act, least, _FLOOR), tl.where(act, top, _FLOOR), K, SLACK,
+                                    R, CH)
+        room = tl.where(whole, 2147483647, K - above)   # keys equal to the K-th that stay: the earliest ones
+        return _keep(kb, pb, cnt, act, kth, room, R, CH), tl.where(act, kth, thr)
+
+    @triton.jit
+    def _digits(key, least, span, NB: tl.constexpr):
+        """Two base-NB digits of a key's place in [least, least + span): the bin of NB linear bins over the row's
+        keys, and the bin within that bin (int64 arithmetic: span < 2^33, NB^2 · span < 2^49)."""
+        x = (key.to(tl.int64) - least) * NB
+        first = x // span
+        return first.to(tl.int32), ((x - first * span) * NB // span).to(tl.int32)
+
+    @triton.jit
+    def _histogram(bk_ptr, buf, cnt, act, least, span, b1, SECOND: tl.constexpr, R: tl.constexpr,
+                   CH: tl.constexpr, NB: tl.constexpr):
+        """[R, NB] counts of each `act` row's keys by first digit or, with SECOND, by second digit among the keys
+        whose first digit is b1 (`_digits`). tl.histogram counts a 1-D tensor: one row at a time."""
+        rr = tl.arange(0, R)
+        j = tl.arange(0, CH)
+        hist = tl.zeros([R, NB], tl.int32)
+        for r in tl.static_range(R):
+            pick = rr == r
+            off = tl.sum(tl.where(pick, buf, 0))
+            n = tl.sum(tl.where(pick & act, cnt, 0))
+            lo = tl.sum(tl.where(pick, least, 0).to(tl.int64))
+            sp = tl.sum(tl.where(pick, span, 0))
+            want = tl.sum(tl.where(pick, b1, 0))
+            h = tl.zeros([NB], tl.int32)
+            for c0 in tl.range(0, n, CH, num_stages=3):
+                m = c0 + j < n
+                first, second = _digits(tl.load(bk_ptr + off + c0 + j, mask=m, other=0), lo, sp, NB)
+                if SECOND:
+                    h += tl.histogram(second, NB, mask=m & (first == want))
+                else:
+                    h += tl.histogram(first, NB, mask=m)
+            hist = tl.where(pick[:, None], h[None, :], hist)
+        return hist
+
+    @triton.jit
+    def _kth_bin(hist, K, NB: tl.constexpr):
+        """The bin holding the K-th largest of each row's counted keys, how many keys lie in it and how many in
+        the bins above it."""
+        bins = tl.arange(0, NB)[None, :]
+        suffix = tl.sum(hist, axis=1)[:, None] - tl.cumsum(hist, axis=1) + hist        # keys in bins >= b
+        b = tl.max(tl.where(suffix >= K[:, None], bins, -1), axis=1)
+        return b, tl.sum(tl.where(bins == b[:, None], hist, 0), axis=1), tl.sum(tl.where(bins > b[:, None], hist, 0),
+                                                                                 axis=1)
+
+    @triton.jit
+    def _select(bk_ptr, kb, pb, buf, cnt, thr, K, CAP, R: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr):
+        """`_compact(..., SLACK=0)` (exactly the K best a row) in fewer passes over the buffers: two histogram
+        passes (NB bins linear in key between each row's least and largest key, then NB bins within the bin of the
+        K-th key) locate a bin of about cnt / NB^2 keys that holds the K-th key; its keys are copied behind the
+        row's entries (one pass) and the exact search runs over them alone; one pass keeps the winners. When such a
+        bin does not fit behind its row's entries (heavy ties), the block takes `_compact`. buf [R]: the rows'
+        buffer offsets from bk_ptr (kb = bk_ptr + buf[:, None])."""
+        tl.debug_barrier()
+        act = cnt > K
+        least, top = _bounds(kb, cnt, R, CH)
+        span = tl.where(act, top.to(tl.int64) - least + 1, 1)
+        need = tl.where(act, K, 0) + tl.zeros([R], tl.int32)
+        b1, _, above1 = _kth_bin(_histogram(bk_ptr, buf, cnt, act, least, span, need, False, R, CH, NB), need, NB)
+        need = need - above1
+        b2, in_b, above2 = _kth_bin(_histogram(bk_ptr, buf, cnt, act, least, span, b1, True, R, CH, NB), need, NB)
+        need = need - above2                   # of that bin's keys, the largest `need` are among the K best
+        if tl.max((act & (in_b > CAP - cnt)).to(tl.int32)) > 0:
+            kept, kth = _compact(kb, pb, cnt, thr, K, 0, R, CH)
+        else:
+            j = tl.arange(0, CH)[None, :]
+            side = tl.zeros([R], tl.int32)
+            for c0 in range(0, tl.max(cnt), CH):
+                m = c0 + j < cnt[:, None]
+                key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
+                first, second = _digits(key, least[:, None], span[:, None], NB)
+                ii = (m & act[:, None] & (first == b1[:, None]) & (second == b2[:, None])).to(tl.int32)
+                tl.store(kb + cnt[:, None] + side[:, None] + tl.cumsum(ii, axis=1) - ii, key, mask=ii != 0)
+                side += tl.sum(ii, axis=1)
+            tl.debug_barrier()
+            skb = kb + cnt[:, None]
+            s_least, s_top = _bounds(skb, side, R, CH)
+            kth, above_s, whole = _search(skb, side, act, tl.where(act, s_least, _FLOOR),
+                                          tl.where(act, s_top, _FLOOR), need, 0, R, CH)
+            room = tl.where(whole, 2147483647, need - above_s)
+            kept = _keep(kb, pb, cnt, act, kth, room, R, CH)
+            kth = tl.where(act, kth, thr)
+        return kept, kth
 
     @triton.jit
     def _write_rows(out_row, pb, cnt, rmask, K, CH: tl.constexpr):
@@ -177,7 +284,8 @@ if triton is not None:
     def _indexer_stream_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, bk_ptr, bp_ptr, bn_ptr,
                                B, T, S, H, D, K, NTB, NSPLIT, SPLIT, CAP, SLACK,
                                BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                               CH: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                               CH: tl.constexpr, NB: tl.constexpr, HIST: tl.constexpr, CAUSAL: tl.constexpr,
+                               SPLIT_OUT: tl.constexpr,
                                PREC: tl.constexpr, UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr):
         # tasks (b, query block, key split), the query blocks in descending order (the causal ones get longer);
         # a prefill program loops over tasks with its own buffer, a split program (SPLIT_OUT) does one task and
@@ -254,9 +362,12 @@ if triton is not None:
                         keep = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]) & (key > thr[:, None])
                         cnt = _append(kb, pb, key, tl.broadcast_to(s[None, :], (BM, BN)), keep, cnt)
                     seg = seg_end
-                if tl.max(cnt) > K:               # to at most K + K/4 first: the exact passes read fewer
-                    cnt, thr = _compact(kb, pb, cnt, thr, K, K // 4, BM, CH)
-                    cnt, thr = _compact(kb, pb, cnt, thr, K, 0, BM, CH)
+                if tl.max(cnt) > K:
+                    if HIST:                   # two histograms, then the exact search over one bin's keys
+                        cnt, thr = _select(bk_ptr, kb, pb, buf, cnt, thr, K, CAP, BM, CH, NB)
+                    else:                      # loosely to K + K/4 first: the exact passes read fewer entries
+                        cnt, thr = _compact(kb, pb, cnt, thr, K, K // 4, BM, CH)
+                        cnt, thr = _compact(kb, pb, cnt, thr, K, 0, BM, CH)
                 if SPLIT_OUT:
                     tl.store(bn_ptr + slot, cnt, mask=rmask)
                 else:
@@ -310,6 +421,7 @@ class IndexerLaunch(NamedTuple):
     num_stages: int
     merge_warps: int
     capacity: int = 0   # buffer entries a query (0: `_capacity`'s choice)
+    histogram: bool = False  # the final selection by two histograms (`_select`; CPU-tested, not yet timed)
 
 
 def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: bool, sms: int,
@@ -417,8 +529,8 @@ def indexer_topk_launch(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
         prec = "tf32" if not interp and fp32_matmuls_in_tf32() else "ieee"
     else:
         prec = None                            # 16-bit products, exact in the fp32 accumulator
-    flags = dict(BM=c.block_q, BN=c.block_k, HP=HP, DP=DP, CH=c.chunk, PREC=prec, UPCAST=upcast, PAD_HEADS=HP != H,
-                 num_warps=c.num_warps, num_stages=c.num_stages)
+    flags = dict(BM=c.block_q, BN=c.block_k, HP=HP, DP=DP, CH=c.chunk, NB=HIST_BINS, HIST=c.histogram, PREC=prec,
+                 UPCAST=upcast, PAD_HEADS=HP != H, num_warps=c.num_warps, num_stages=c.num_stages)
     i32 = dict(dtype=torch.int32, device=q.device)
     ntb = triton.cdiv(T, c.block_q)
     if not c.split:
