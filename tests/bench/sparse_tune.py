@@ -77,14 +77,12 @@ def main():
         base = it.launch_config(1, T, T, 64, 128, k, causal=True, sms=sm_count(dev), interpret=False)
         ref = it.indexer_topk_launch(qi, ki, w, lo, hi, topk=k, causal=True, config=base)
 
-        def launch(bm, bn, warps, stages, chunk, capacity=0, per_sm=2):
+        def launch(bm, bn, warps, stages, chunk, capacity=3 * k, per_sm=2, histogram=False):
             return base._replace(block_q=bm, block_k=bn, chunk=chunk, num_warps=warps, num_stages=stages,
-                                 capacity=capacity, programs=min(T // bm, per_sm * sm_count(dev)))
-        configs = [base, launch(2, 64, 4, 3, 128), launch(2, 64, 4, 2, 128), launch(2, 64, 4, 4, 128),
-                   launch(2, 128, 8, 2, 256, per_sm=1), launch(2, 128, 8, 3, 256, per_sm=1),
-                   launch(2, 128, 4, 2, 128), launch(2, 128, 4, 3, 128, per_sm=1), launch(4, 64, 4, 2, 64),
-                   launch(4, 64, 4, 3, 64, per_sm=1), launch(1, 64, 4, 3, 128), launch(1, 128, 4, 3, 128, per_sm=1),
-                   launch(2, 64, 4, 3, 128, capacity=8192), launch(2, 64, 4, 3, 256)]
+                                 capacity=capacity, programs=min(T // bm, per_sm * sm_count(dev)), histogram=histogram)
+        configs = [base, base._replace(histogram=True), launch(4, 64, 4, 2, 64, histogram=True),
+                   launch(4, 64, 4, 2, 128, capacity=4 * k, histogram=True), launch(2, 64, 4, 3, 256, histogram=True),
+                   launch(4, 64, 4, 2, 128, capacity=4 * k), launch(2, 64, 4, 3, 128)]
         sweep(f"indexer, T = {T:,}", configs,
               lambda c: it.indexer_topk_launch(qi, ki, w, lo, hi, topk=k, causal=True, config=c),
               lambda s: f"{float((s == ref).all(-1).float().mean()):.1%} rows identical")
