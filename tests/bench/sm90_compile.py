@@ -1,0 +1,144 @@
+"""Compile the project's Triton kernels for SM90 without a GPU and report what the H200 would run: registers,
+spilled bytes, shared memory, wgmma (HGMMA) and mma.sync (HMMA) instructions, cp.async copies and layout
+conversions. Launch arguments are specialized as Triton's launcher does (16-byte-aligned pointers and ints
+divisible by 16 marked so, ints equal to 1 made constants): without that every gather compiles to 2-byte loads
+and the spills come out several times too large.
+
+    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv
+
+Needs a Triton with its NVIDIA backend (a Linux wheel; the device's version is 3.6: `pip install triton==3.6.0`
+into a separate environment). Registers and spills decide occupancy and show where a launch configuration will
+lose time; they are no substitute for timing on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kimi.ops import indexer_triton as it  # noqa: E402
+from kimi.ops import sparse_mla_triton as sm  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def report(fn, ptrs: dict, scalars: dict, consts: dict, **opts) -> dict:
+    """Compile `fn` for sm_90 with pointer dtypes `ptrs`, scalar values `scalars` (specialized by value) and
+    constexprs `consts`; returns the resource counts."""
+    sig, cx, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name], cx[name] = "constexpr", consts[name]
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
+        elif isinstance(scalars[name], float):
+            sig[name] = "fp32"
+        elif scalars[name] == 1:
+            sig[name], cx[name] = "constexpr", 1
+        else:
+            sig[name] = "i32" if abs(scalars[name]) < 2 ** 31 else "i64"
+            if scalars[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 64), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(c.asm["cubin"])
+    try:
+        usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
+                               text=True).stdout
+        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    return dict(regs=int(re.search(r"REG:(\d+)", usage).group(1)), spill_bytes=int(re.search(r"STACK:(\d+)",
+                usage).group(1)), smem=c.metadata.shared, HGMMA=sass.count("HGMMA"), HMMA=sass.count("HMMA"),
+                cp_async=sass.count("LDGSTS"), converts=c.asm["ttgir"].count("ttg.convert_layout"))
+
+
+BF, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
+T, H, K, D, DV = 8192, 96, 2048, 576, 512
+
+
+def indexer():
+    c = it.launch_config(1, T, T, 64, 128, K, causal=True, sms=132, interpret=False)
+    ptrs = dict(q_ptr=BF, k_ptr=BF, w_ptr=F32, lo_ptr=I64, hi_ptr=I64, out_ptr=I32, bk_ptr=I32, bp_ptr=I32,
+                bn_ptr=I32)
+    cap = it._capacity(K, c.block_k, T, c.capacity)
+    scalars = dict(B=1, T=T, S=T, H=64, D=128, K=K, NTB=T // c.block_q, NSPLIT=1, SPLIT=T, CAP=cap,
+                   SLACK=it._slack(cap, K, c.block_k))
+    for hist in (False, True):
+        consts = dict(BM=c.block_q, BN=c.block_k, HP=64, DP=128, CH=c.chunk, NB=it.HIST_BINS, HIST=hist,
+                      CAUSAL=True, SPLIT_OUT=False, PREC=None, UPCAST=False, PAD_HEADS=False)
+        yield f"indexer {c._replace(histogram=hist)}", report(it._indexer_stream_kernel, ptrs, scalars, consts,
+                                                              num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def sparse_fwd():
+    import torch
+    cfg = sm.fwd_config(1, T, H, K, D, DV, torch.device("cpu"))
+    ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, o_ptr=BF, lse_ptr=F32)
+    scalars = dict(R=T, T=T, S=T, H=H, K=K, D=D, DV=DV, h_start=0, NT=len(cfg.heads), NS=1, KS=K, scale2=0.1)
+    consts = dict(BH=cfg.heads[0], BK=cfg.block_k, BV=DV // cfg.split_v, NV=cfg.split_v, DTP=64, IB=256, F32=False)
+    kernel = sm._fwd_kernel_sm if cfg.slot_major else sm._fwd_kernel
+    yield f"sparse forward {cfg}", report(kernel, ptrs, scalars, consts, num_warps=cfg.num_warps,
+                                          num_stages=cfg.num_stages)
+
+
+def _bwd():
+    import torch
+    return sm.bwd_config(1, T, H, K, D, DV, torch.device("cpu"))
+
+
+def sparse_dq():
+    cfg = _bwd()
+    ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, o_ptr=BF, lse_ptr=F32, do_ptr=BF, dlse_ptr=F32, dq_ptr=BF,
+                delta_ptr=F32, dlat_ptr=F32)
+    scalars = dict(T=T, S=T, H=H, K=K, D=D, DV=DV, h_start=0, NT=len(cfg.heads), scale=0.1, scale2=0.1)
+    consts = dict(BH=cfg.heads[0], BK=cfg.block_k, DVP=DV, DTP=64, IB=256, HAS_DLSE=False, FUSED=cfg.fused_dkv,
+                  F32=False)
+    kernel = sm._bwd_dq_kernel_sm if cfg.slot_major else sm._bwd_dq_kernel
+    yield f"sparse dq {cfg}", report(kernel, ptrs, scalars, consts, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages)
+
+
+def sparse_dkv():
+    cfg = _bwd()
+    ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, lse_ptr=F32, do_ptr=BF, delta_ptr=F32, out_ptr=F32)
+    scalars = dict(row0=0, NKB=K // cfg.dkv_block_k, T=T, S=T, H=H, K=K, D=D, DV=DV, scale=0.1, scale2=0.1)
+    consts = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DV, DTP=64, ATOMIC=True, F32=False)
+    kernel = sm._bwd_dkv_kernel_sm if cfg.dkv_slot_major else sm._bwd_dkv_kernel
+    yield f"sparse dlatent {cfg}", report(kernel, ptrs, scalars, consts,
+                                          num_warps=cfg.dkv_num_warps or cfg.num_warps,
+                                          num_stages=cfg.dkv_num_stages or cfg.num_stages)
+
+
+KERNELS = {"indexer": indexer, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernels", nargs="*", help=f"of {list(KERNELS)} (default: all)")
+    a = ap.parse_args()
+    unknown = set(a.kernels) - set(KERNELS)
+    if unknown:
+        ap.error(f"unknown kernels {sorted(unknown)}: choose from {list(KERNELS)}")
+    print(f"triton {triton.__version__}, sm_90, T = {T:,}\n| launch | regs | spill B | smem | HGMMA | HMMA | "
+          "cp.async | converts |\n|---|---|---|---|---|---|---|---|")
+    for name in a.kernels or KERNELS:
+        for what, r in KERNELS[name]():
+            print(f"| {what} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | {r['HGMMA']} | {r['HMMA']} | "
+                  f"{r['cp_async']} | {r['converts']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
