@@ -15,6 +15,9 @@
 #   bash tests/bench/gpu_all.sh sparse-tests               # the Triton indexer and sparse MLA tests at real sizes
 #   bash tests/bench/gpu_all.sh sparse                     # those kernels against the torch references and cuDNN
 #                                                          # (tests/bench/sparse_kernels.py, 8K and 32K)
+#   bash tests/bench/gpu_all.sh sparse-tune                # their launch sweep (tests/bench/sparse_tune.py, 8K)
+#   bash tests/bench/gpu_all.sh cudnn-tests                # attn='cudnn' on the real kernels (cuDNN Frontend installed)
+#   bash tests/bench/gpu_all.sh kda-triton-tests           # the Triton KDA forward at real sizes
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
 #   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles)
 #   bash tests/bench/gpu_all.sh fsdp-fp32                  # fsdp-eager in fp32 without TF32: parity to rounding
@@ -65,6 +68,9 @@ for part in "$@"; do
     sparse-tests) run sparse-tests 300 python -m pytest -q -x tests/test_sparse_mla_triton.py \
                     tests/test_indexer_triton.py -m gpu ;;
     sparse) run sparse 400 python -W ignore tests/bench/sparse_kernels.py ;;
+    sparse-tune) run sparse-tune 400 python -W ignore tests/bench/sparse_tune.py --tokens 8192 ;;
+    cudnn-tests) run cudnn-tests 300 python -m pytest -q -x tests/test_cudnn_backend.py -m gpu ;;
+    kda-triton-tests) run kda-triton-tests 300 python -m pytest -q -x tests/test_kda_triton.py -m gpu ;;
     fsdp) run fsdp 580 python -W ignore tests/bench/fsdp.py ;;
     fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
     fsdp-fp32) run fsdp-fp32 580 python -W ignore tests/bench/fsdp.py --compile off --dtype float32 --no-tf32 \
