@@ -1,0 +1,233 @@
+"""Triton kernel of KDA's cached decode step (T = 1): the three short convs, the q/k L2 norms and the delta-rule
+step in one launch, the conv tails and the fp32 state updated in place. The references are `kda.short_conv_cached`,
+`kda.l2norm` and `delta_rule.kda_step` (docs/numerics.md#kda-recurrence), which `kda_layer`'s T == 1 path chains.
+
+Per row b and head h, with window x_0..x_{W-1} = (the W−1 cached raw inputs, the new one) and tap j alive iff no
+document start lies in (j, W−1] of `conv_reset`:
+
+    q = l2norm(silu(Σ_j w_q[:, j] x_q,j · alive_j))        likewise k; v without the norm
+    S' = diag(e^g) S            (S = 0 first where the new token starts its row's document)
+    S  = S' + k (β (v − S'ᵀ k))ᵀ,    o = Sᵀ (scale · q)
+
+**Kernel.** One program per (b, h) walks the V columns in blocks of BV (`decode_config`): the q/k conv and norm
+are computed once, then each [K, BV] block of S is loaded, updated in registers and stored back, so the state is read
+once and written once (the columns of S never mix). Splitting V over programs instead would let one program shift a
+q/k tail that another has yet to read; inside a program a barrier orders every read of a tail or a block of S before
+its overwrite. `kda_step_inplace_triton` (no convs, q and k already normalized) has no tails and splits V over the
+grid, (b·H + h, column block).
+
+**Numerics.** fp32 math; the state is fp32. With 16-bit activations the values are rounded where the torch path
+stores them in the activation dtype (conv outputs, normalized q and k, o), so the kernel computes what `kda_layer`
+computes, to fp32 rounding. A restarting row's old state is never read (the torch path multiplies it by 0).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .registry import interpreted, tl, triton, triton_available
+
+_DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+if triton is not None:
+    from .kda_triton import _to16
+
+    @triton.jit
+    def _conv_token(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr,
+                    DT: tl.constexpr, EMULATE: tl.constexpr):
+        """silu(causal conv) of row b's new token over channels ch [BC] (mask m), as fp32 rounded to DT; shifts the
+        tail [B, W−1, C] by one in place (the new raw input last). x [B, C], weights [C, 1, W], reset [B, W]."""
+        j = tl.arange(0, BW)                                   # tail rows = window positions 0..W-2
+        rows = j < W - 1
+        later = tl.load(reset_ptr + b * W + j[None, :], mask=(j[None, :] > j[:, None]) & (j[None, :] < W), other=0)
+        alive = tl.sum(later.to(tl.int32), 1) == 0             # no document start after tap j
+        m2 = rows[:, None] & m[None, :]
+        tail_rows = tail_ptr + (b * (W - 1) + j[:, None]) * C + ch[None, :]
+        t = tl.load(tail_rows, mask=m2, other=0.0)
+        x = tl.load(x_ptr + b * C + ch, mask=m, other=0.0)
+        w = tl.load(w_ptr + ch[None, :] * W + j[:, None], mask=m2, other=0.0).to(tl.float32)
+        w_last = tl.load(w_ptr + ch * W + (W - 1), mask=m, other=0.0).to(tl.float32)
+        y = tl.sum(tl.where(alive[:, None], t.to(tl.float32) * w, 0.0), 0) + w_last * x.to(tl.float32)
+        y = y * tl.sigmoid(y)
+        # Every thread holding a tail element must have read it before any thread overwrites it (a layout may
+        # replicate elements across warps).
+        tl.debug_barrier()
+        tl.store(tail_rows - C, t, mask=m2 & (j[:, None] >= 1))
+        tl.store(tail_ptr + (b * (W - 1) + W - 2) * C + ch, x, mask=m)
+        return _to16(y, DT, EMULATE).to(tl.float32)
+
+    @triton.jit
+    def _l2norm(x, eps, DT: tl.constexpr, EMULATE: tl.constexpr):
+        """x / sqrt(Σ x² + eps) in fp32, rounded to DT as `kda.l2norm` returns it."""
+        y = x * tl.rsqrt(tl.sum(x * x, 0) + eps)
+        return _to16(y, DT, EMULATE).to(tl.float32)
+
+    @triton.jit
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, tq_ptr, tk_ptr, tv_ptr, reset_ptr,
+                       g_ptr, beta_ptr, state_ptr, o_ptr, H, K, V, scale, eps,
+                       W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+                       CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (b·H + h, column split s): columns [s·NB·BV, (s+1)·NB·BV) of S in NB blocks of BV. With CONV
+        # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
+        # [B, H, K] are normalized, v [B, H, V], reset [B] (HAS_RESET). g [B, H, K], beta [B, H], state
+        # [B, H, K, V], o [B, H, V], all dense.
+        bh = tl.program_id(0).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        kk = tl.arange(0, BK)
+        mk = kk < K
+        if CONV:
+            keep = tl.load(reset_ptr + b * W + (W - 1)) == 0
+            q = _l2norm(_conv_token(q_ptr, tq_ptr, wq_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
+                        eps, DT, EMULATE)
+            k = _l2norm(_conv_token(k_ptr, tk_ptr, wk_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
+                        eps, DT, EMULATE)
+        else:
+            if HAS_RESET:
+                keep = tl.load(reset_ptr + b) == 0
+            else:
+                keep = True
+            q = tl.load(q_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32))
+        beta = tl.load(beta_ptr + bh).to(tl.float32)
+        qs = scale * q
+        for i in range(NB):
+            vv = (tl.program_id(1) * NB + i) * BV + tl.arange(0, BV)
+            mv = vv < V
+            if CONV:
+                v = _conv_token(v_ptr, tv_ptr, wv_ptr, reset_ptr, b, h * V + vv, mv, H * V, W, BW, DT, EMULATE)
+            else:
+                v = tl.load(v_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
+            m = mk[:, None] & mv[None, :]
+            s_ptrs = state_ptr + bh * K * V + kk[:, None] * V + vv[None, :]
+            S = decay[:, None] * tl.load(s_ptrs, mask=tl.where(keep, m, False), other=0.0)   # a restart reads nothing
+            u = beta * (v - tl.sum(S * k[:, None], 0))
+            S = S + k[:, None] * u[None, :]
+            o = tl.sum(S * qs[:, None], 0)
+            tl.debug_barrier()   # as in _conv_token: all reads of this block of S before the first write
+            tl.store(s_ptrs, S, mask=m)
+            tl.store(o_ptr + bh * V + vv, _to16(o, o_ptr.dtype.element_ty, EMULATE), mask=mv)
+
+
+def decode_config(K: int, V: int) -> tuple[int, int, int, int | None]:
+    """(BK, BV, num_warps, maxnreg) of the decode kernels for head dims K, V: all K rows and BV ≤ 64 columns of the
+    state in registers, about 32 state elements per thread. K = V = 128: [128, 64] blocks, 8 warps, capped at 128
+    registers so that two programs share an SM (65536 registers); Triton 3.6 compiles that for sm_90 without
+    spills, the fused and the plain kernel alike (uncapped, ptxas takes ~160 and one program fits)."""
+    if K > 256:
+        raise ValueError(f"kda decode: the key dim K={K} must be at most 256 (a [K, BV] state block stays in "
+                         "registers)")
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, min(64, triton.next_power_of_2(V)))
+    warps = max(1, min(8, BK * BV // 1024))
+    return BK, BV, warps, 128 if warps == 8 and BK * BV <= 8192 else None
+
+
+def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
+            split_v):
+    B, H, K, V = state.shape
+    BK, BV, warps, maxnreg = decode_config(K, V)
+    if block_v is not None or num_warps is not None:   # a benchmark's choice: no register cap
+        if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
+            raise ValueError(f"kda decode: block_v={block_v} must be a power of two")
+        BV, warps, maxnreg = block_v or BV, num_warps or warps, None
+    NV = triton.cdiv(V, BV)
+    NB, splits = (1, NV) if split_v else (NV, 1)
+    if B * H:
+        _decode_kernel[(B * H, splits)](
+            q, k, v, *weights, *tails, reset, g, beta, state, o, H, K, V, scale, eps,
+            W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
+            DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), num_warps=warps,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}))
+
+
+def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
+                           v_weight: Tensor, q_tail: Tensor, k_tail: Tensor, v_tail: Tensor, conv_reset: Tensor,
+                           g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
+                           block_v: int | None = None, num_warps: int | None = None) -> Tensor:
+    """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
+
+    Args:
+        q_raw, k_raw [B, H·K], v_raw [B, H·V]: the new token's projections (before the convs), one dtype: bfloat16,
+            float16 or float32.
+        q_weight, k_weight [H·K, 1, W], v_weight [H·V, 1, W]: the depthwise conv weights (`*_conv1d.weight`), W ≥ 2.
+        q_tail, k_tail, v_tail [B, W−1, C]: the cached raw inputs (`cache["conv_q"]`, ...), contiguous, the
+            activation dtype; shifted in place (the new raw input last).
+        conv_reset [B, W] bool: `Step.conv_reset` (True at the row's first real token; taps before it read 0). Its
+            last column is `Step.reset[:, 0]`: the state of those rows restarts from 0 before the token.
+        g [B, H, K]: the log-decay (`kda_gate`'s output), beta [B, H]: the write strength, both read in fp32.
+        state [B, H, K, V] float32, contiguous: the recurrent state, updated in place.
+        scale: the query scale (K^-1/2); eps: `l2norm`'s (inside the sqrt).
+        block_v, num_warps: override `decode_config` (benchmarks; then no register cap).
+
+    Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
+    """
+    B, H, K, V = state.shape
+    W = q_weight.shape[-1]
+    acts = dict(q_raw=(q_raw, (B, H * K)), k_raw=(k_raw, (B, H * K)), v_raw=(v_raw, (B, H * V)),
+                q_tail=(q_tail, (B, W - 1, H * K)), k_tail=(k_tail, (B, W - 1, H * K)),
+                v_tail=(v_tail, (B, W - 1, H * V)))
+    shapes = dict(acts, q_weight=(q_weight, (H * K, 1, W)), k_weight=(k_weight, (H * K, 1, W)),
+                  v_weight=(v_weight, (H * V, 1, W)), conv_reset=(conv_reset, (B, W)), g=(g, (B, H, K)),
+                  beta=(beta, (B, H)))
+    name = "kda_decode_step_triton"
+    if W < 2:
+        raise ValueError(f"{name}: the conv width W={W} must be at least 2 (W = 1 has no tail: use the torch path)")
+    _check_common(name, state, shapes, {"q_tail": q_tail, "k_tail": k_tail, "v_tail": v_tail})
+    dtypes = {n: t.dtype for n, (t, _) in acts.items()}
+    if len(set(dtypes.values())) > 1 or q_raw.dtype not in _DT:
+        raise ValueError(f"{name}: the projections and tails must share one dtype (bfloat16, float16 or float32), "
+                         f"got {dtypes}")
+    if conv_reset.dtype != torch.bool:
+        raise ValueError(f"{name}: conv_reset must be bool, got {conv_reset.dtype}")
+    o = v_raw.new_empty(B, H, V)
+    q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, g, beta = (
+        t.contiguous() for t in (q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, g, beta))
+    _launch(q_raw, k_raw, v_raw, (q_weight, k_weight, v_weight), (q_tail, k_tail, v_tail),
+            conv_reset.contiguous().view(torch.uint8), g, beta, state, o, scale=scale, eps=eps, W=W, conv=True,
+            block_v=block_v, num_warps=num_warps, split_v=False)
+    return o
+
+
+def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                            reset: Tensor | None = None, *, scale: float, block_v: int | None = None,
+                            num_warps: int | None = None) -> Tensor:
+    """`delta_rule.kda_step` with the state updated in place: q, k [B, H, K] already normalized, v [B, H, V], g
+    [B, H, K], beta [B, H], state [B, H, K, V] float32 contiguous, reset [B] bool or None (True: the row's state
+    restarts from 0 first, as `state * keep`). Programs over (b·H + h, block of BV state columns). Returns o
+    [B, H, V] in v.dtype."""
+    B, H, K, V = state.shape
+    shapes = dict(q=(q, (B, H, K)), k=(k, (B, H, K)), v=(v, (B, H, V)), g=(g, (B, H, K)), beta=(beta, (B, H)))
+    if reset is not None:
+        shapes["reset"] = (reset, (B,))
+    _check_common("kda_step_inplace_triton", state, shapes, {})
+    if q.dtype not in _DT or reset is not None and reset.dtype != torch.bool:
+        raise ValueError(f"kda_step_inplace_triton: q must be bfloat16, float16 or float32 and reset bool, got "
+                         f"{q.dtype}, {None if reset is None else reset.dtype}")
+    o = v.new_empty(B, H, V)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    if reset is not None:
+        reset = reset.contiguous().view(torch.uint8)
+    _launch(q, k, v, (None,) * 3, (None,) * 3, reset, g, beta, state, o, scale=scale, eps=0.0, W=1, conv=False,
+            block_v=block_v, num_warps=num_warps, split_v=True)
+    return o
+
+
+def _check_common(name: str, state: Tensor, shapes: dict, in_place: dict[str, Tensor]):
+    """Named errors for the state (fp32, contiguous, [B, H, K, V]), the shapes, in-place tensors that are not
+    contiguous, and tensors off one Triton device."""
+    if state.dim() != 4 or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"{name}: state must be a contiguous float32 [B, H, K, V] tensor (updated in place), got "
+                         f"{state.dtype} {list(state.shape)}")
+    bad = {n: (list(t.shape), list(want)) for n, (t, want) in shapes.items() if tuple(t.shape) != want}
+    if bad:
+        raise ValueError(f"{name}: shapes (got, expected) for state {list(state.shape)}: {bad}")
+    strided = [n for n, t in in_place.items() if not t.is_contiguous()]
+    if strided:
+        raise ValueError(f"{name}: {strided} are updated in place and must be contiguous")
+    devices = {t.device for t, _ in shapes.values()} | {state.device}
+    if len(devices) > 1 or not triton_available(next(iter(devices))):
+        raise RuntimeError(f"{name} needs Triton and its tensors on one CUDA device (or TRITON_INTERPRET=1), got "
+                           f"{sorted(str(d) for d in devices)}")
