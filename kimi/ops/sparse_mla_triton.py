@@ -186,6 +186,17 @@ if triton is not None:
         tl.store(lse_ptr + r, tl.where(ok, mx + tl.log(tot), float("-inf")))
 
     @triton.jit
+    def _delta_lse2(do, o, AXIS: tl.constexpr, dlse_ptr, delta_ptr, lse_ptr, qh, hm, HAS_DLSE: tl.constexpr):
+        """The dq kernels' per-head Δ = Σ_v do ⊙ o − dlse (stored for the dlatent kernel; the value columns along
+        AXIS of the do, o tiles) and the LSE in base 2 (0 for a row without keys)."""
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), AXIS)
+        if HAS_DLSE:
+            delta -= tl.load(dlse_ptr + qh, mask=hm, other=0.0).to(tl.float32)
+        tl.store(delta_ptr + qh, delta, mask=hm)
+        lse = tl.load(lse_ptr + qh, mask=hm, other=0.0)
+        return delta, tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+
+    @triton.jit
     def _bwd_dq_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr, T, S,
                        H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr, BK: tl.constexpr, DVP: tl.constexpr,
                        DTP: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr, FUSED: tl.constexpr,
@@ -206,12 +217,7 @@ if triton is not None:
         q_t = tl.load(q_ptr + (qh * D)[:, None] + ct[None, :], mask=m_t, other=0.0)
         do = tl.load(do_ptr + (qh * DV)[:, None] + cv[None, :], mask=m_v, other=0.0)
         o = tl.load(o_ptr + (qh * DV)[:, None] + cv[None, :], mask=m_v, other=0.0)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        if HAS_DLSE:
-            delta -= tl.load(dlse_ptr + qh, mask=hm, other=0.0).to(tl.float32)
-        tl.store(delta_ptr + qh, delta, mask=hm)
-        lse = tl.load(lse_ptr + qh, mask=hm, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        delta, lse2 = _delta_lse2(do, o, 1, dlse_ptr, delta_ptr, lse_ptr, qh, hm, HAS_DLSE)
         dq_v = tl.zeros([BH, DVP], tl.float32)
         dq_t = tl.zeros([BH, DTP], tl.float32)
         k_end = _key_end(idx_row, 0, K, S, IB)
@@ -363,12 +369,7 @@ if triton is not None:
         qT_t = tl.load(q_ptr + (qh * D)[None, :] + ct[:, None], mask=m_t, other=0.0)
         doT = tl.load(do_ptr + (qh * DV)[None, :] + cv[:, None], mask=m_v, other=0.0)
         oT = tl.load(o_ptr + (qh * DV)[None, :] + cv[:, None], mask=m_v, other=0.0)
-        delta = tl.sum(doT.to(tl.float32) * oT.to(tl.float32), 0)
-        if HAS_DLSE:
-            delta -= tl.load(dlse_ptr + qh, mask=hm, other=0.0).to(tl.float32)
-        tl.store(delta_ptr + qh, delta, mask=hm)
-        lse = tl.load(lse_ptr + qh, mask=hm, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        delta, lse2 = _delta_lse2(doT, oT, 0, dlse_ptr, delta_ptr, lse_ptr, qh, hm, HAS_DLSE)
         dqT_v = tl.zeros([DVP, BH], tl.float32)
         dqT_t = tl.zeros([DTP, BH], tl.float32)
         k_end = _key_end(idx_row, 0, K, S, IB)
