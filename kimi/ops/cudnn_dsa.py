@@ -41,6 +41,10 @@ class CudnnUnavailable(RuntimeError):
     """attn='cudnn' cannot run here: a package or the GPU is missing (the message names which)."""
 
 
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 @functools.lru_cache(maxsize=None)
 def _load_dsa():
     try:
@@ -48,7 +52,7 @@ def _load_dsa():
         for name in ("indexer_forward_wrapper", "indexer_top_k_wrapper", "sparse_attention_backward_wrapper"):
             getattr(DSA, name)
     except Exception as e:     # not installed, or its CUTLASS DSL runtime missing ("No CTK flavor installed")
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None, _why(e)
     return DSA, ""
 
 
@@ -57,7 +61,7 @@ def _load_flash_mla():
     try:
         from flash_mla import flash_mla_sparse_fwd
     except Exception as e:
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None, _why(e)
     return flash_mla_sparse_fwd, ""
 
 

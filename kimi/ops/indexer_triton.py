@@ -41,9 +41,9 @@ over its piece for a block of at most 4 queries and leaves its buffer (at most t
 in a workspace where each query's pieces lie side by side. A merge program per query then streams the candidates
 of the pieces its range reaches, in piece order (ascending positions), in large chunks through the same
 selection. Launch shapes depend on the shapes only: lengths come from lo/hi on the device, so the step can be
-captured in a CUDA graph. Workspace: B × T' × pieces × min(split, CAP) × 8 bytes (at most the cache's slots × 8 bytes a query
-when split <= topk; T' is T rounded up to the query block) plus B × T × CAP' × 8 bytes for the merge's
-buffers.
+captured in a CUDA graph. Workspace: B × T' × pieces × min(split, CAP) × 8 bytes (at most the cache's slots × 8
+bytes a query when split <= topk; T' is T rounded up to the query block) plus B × T × CAP' × 8 bytes for the
+merge's buffers.
 
 On the CPU the kernels run through Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI tests them.
 """
@@ -180,8 +180,13 @@ if triton is not None:
         to K earlier ones), which the search meets after a few passes instead of narrowing to the K-th key.
         SLACK = 0: exactly K, the last of them the K-th key. Every entry of a buffer is >= its row's threshold."""
         tl.debug_barrier()                     # the appended entries are visible to every thread
-        act = cnt > K
         least, top = _bounds(kb, cnt, R, CH)
+        return _compact_within(kb, pb, cnt, thr, K, SLACK, least, top, R, CH)
+
+    @triton.jit
+    def _compact_within(kb, pb, cnt, thr, K, SLACK, least, top, R: tl.constexpr, CH: tl.constexpr):
+        """`_compact` given each row's least and largest key."""
+        act = cnt > K
         kth, above, whole = _search(kb, cnt, act, tl.where(act, least, _FLOOR), tl.where(act, top, _FLOOR), K, SLACK,
                                     R, CH)
         room = tl.where(whole, 2147483647, K - above)   # keys equal to the K-th that stay: the earliest ones
@@ -249,7 +254,7 @@ if triton is not None:
         b2, in_b, above2 = _kth_bin(_histogram(bk_ptr, buf, cnt, act, least, span, b1, True, R, CH, NB), need, NB)
         need = need - above2                   # of that bin's keys, the largest `need` are among the K best
         if tl.max((act & (in_b > CAP - cnt)).to(tl.int32)) > 0:
-            kept, kth = _compact(kb, pb, cnt, thr, K, 0, R, CH)
+            kept, kth = _compact_within(kb, pb, cnt, thr, K, 0, least, top, R, CH)   # bounds known
         else:
             j = tl.arange(0, CH)[None, :]
             side = tl.zeros([R], tl.int32)
