@@ -9,6 +9,7 @@
 #                                                          # (1 and 4 micro-batches per optimizer step), profiled
 #   bash tests/bench/gpu_all.sh train-2048                 # the same at 1 x 2048 (the SFT recipe's rows), 1 and 8
 #                                                          # micro-batches
+#   bash tests/bench/gpu_all.sh train-attn                 # the training step on attn gather / triton / cudnn, eager
 #   bash tests/bench/gpu_all.sh train-chunk                # the same with the KDA state pass as a scan
 #   bash tests/bench/gpu_all.sh recompute                  # activation checkpointing: 1 x 4096 without and with
 #   bash tests/bench/gpu_all.sh recompute-long             # with it: 1 x 8192, 1 x 16384
@@ -17,7 +18,10 @@
 #                                                          # (tests/bench/sparse_kernels.py, 8K and 32K)
 #   bash tests/bench/gpu_all.sh sparse-tune                # their launch sweep (tests/bench/sparse_tune.py, 8K)
 #   bash tests/bench/gpu_all.sh cudnn-tests                # attn='cudnn' on the real kernels (cuDNN Frontend installed)
-#   bash tests/bench/gpu_all.sh kda-triton-tests           # the Triton KDA forward at real sizes
+#   bash tests/bench/gpu_all.sh kda-triton-tests           # the Triton KDA kernels (chunked, decode) at real sizes
+#   bash tests/bench/gpu_all.sh kda                        # the KDA core and decode step against fla (tests/bench/kda.py)
+#   bash tests/bench/gpu_all.sh kda-quick                  # the same without fla's chunk_kda (its autotuning is slow)
+#   bash tests/bench/gpu_all.sh kda-decode-sweep           # the decode kernels' launch sweep
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
 #   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles)
 #   bash tests/bench/gpu_all.sh fsdp-fp32                  # fsdp-eager in fp32 without TF32: parity to rounding
@@ -26,7 +30,7 @@ set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONWARNINGS=ignore
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONWARNINGS=ignore   # keeps an installed carry's path
 run() {  # run <part> <seconds> <command...>
   local part=$1 limit=$2; shift 2
   local t0=$(date +%s)
@@ -56,6 +60,12 @@ for part in "$@"; do
              run train 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --accum 1 4 --profile ;;
     train-2048) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
                   run train-2048 560 python -W ignore tests/bench/train.py --seq 2048 --warmup 2 --steps 3 --accum 1 8 ;;
+    train-attn)   # the training step on each sparse path, eager (no compile; the KDA core recomputed in its
+                  # backward, as eager chunk intermediates of 4 layers do not fit beside AdamW), 1 x 4096
+      for attn in gather triton cudnn; do
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run "train-$attn" 200 python -W ignore tests/bench/train.py \
+          --warmup 1 --steps 2 --no-compile --kda chunk_opaque --attn "$attn"
+      done ;;
     train-chunk) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
                    run train-chunk 560 python -W ignore tests/bench/train.py --warmup 2 --steps 3 --kda chunk ;;
     recompute|recompute-long)
@@ -69,12 +79,16 @@ for part in "$@"; do
                     tests/test_indexer_triton.py -m gpu ;;
     sparse) run sparse 400 python -W ignore tests/bench/sparse_kernels.py ;;
     sparse-tune) run sparse-tune 400 python -W ignore tests/bench/sparse_tune.py --tokens 8192 ;;
-    cudnn-tests) run cudnn-tests 300 python -m pytest -q -x tests/test_cudnn_backend.py -m gpu ;;
-    kda-triton-tests) run kda-triton-tests 300 python -m pytest -q -x tests/test_kda_triton.py -m gpu ;;
+    cudnn-tests) run cudnn-tests 400 python -m pytest -q -x -rP tests/test_cudnn_backend.py -m gpu ;;
+    kda-triton-tests) run kda-triton-tests 300 python -m pytest -q -x tests/test_kda_triton.py \
+                        tests/test_kda_decode_triton.py -m gpu ;;
+    kda) run kda 400 python -W ignore tests/bench/kda.py ;;
+    kda-quick) run kda-quick 150 python -W ignore tests/bench/kda.py --no-fla-chunk ;;
+    kda-decode-sweep) run kda-decode-sweep 120 python -W ignore tests/bench/kda.py --shapes --decode-sweep ;;
     fsdp) run fsdp 580 python -W ignore tests/bench/fsdp.py ;;
     fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
     fsdp-fp32) run fsdp-fp32 580 python -W ignore tests/bench/fsdp.py --compile off --dtype float32 --no-tf32 \
                  --steps 12 ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-chunk, recompute, recompute-long, sparse-tests, sparse, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-attn, train-chunk, recompute, recompute-long, sparse-tests, sparse, sparse-tune, cudnn-tests, kda-triton-tests, kda, kda-quick, kda-decode-sweep, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
   esac
 done

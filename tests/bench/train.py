@@ -54,7 +54,7 @@ def bench(a) -> list[dict]:
     params = kimi.init_params(cfg, seed=0, dtype="float32", device=device, draw_on_device=True)
     named = trainable_named(params, {})
     opt = adamw(named, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=device.type == "cuda")
-    backend = kimi.Backend(attn=a.attn, kda=a.kda, moe=a.moe, mla_form=a.mla_form)
+    backend = kimi.Backend(attn=a.attn, kda=a.kda, moe=a.moe, mla_form=a.mla_form, sparse_fwd=a.sparse_fwd)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if a.tf32 else "highest")
     fn = make_loss(a.compile_scope if use_compile else None, recompute=a.recompute, master_cast=a.cast == "compiled")
@@ -109,7 +109,7 @@ def bench(a) -> list[dict]:
         tps = accum * B * T / step_s
         return dict(
             model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
-                  f"attn={a.attn} kda={a.kda} moe={a.moe} cast={a.cast} tf32={'on' if a.tf32 else 'off'}"
+                  f"attn={a.attn}{'/' + a.sparse_fwd if a.attn == 'cudnn' else ''} kda={a.kda} moe={a.moe} cast={a.cast} tf32={'on' if a.tf32 else 'off'}"
                   + (" recompute" if a.recompute else "")
                   + (f" docs of {doc_len}{'' if a.tell_lengths else ' (length not passed)'}" if a.doc_len else ""),
             params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
@@ -174,8 +174,11 @@ def main():
                     help="pack documents of this many tokens into each row (default: one document per row)")
     ap.add_argument("--tell-lengths", action=argparse.BooleanOptionalAction, default=True,
                     help="pass the document length to the model as max_document_len (train.py does)")
-    ap.add_argument("--attn", default="auto", choices=["auto", "eager", "sdpa", "gather"],
-                    help="train.py's --attn (auto: sdpa in the expanded form)")
+    ap.add_argument("--attn", default="auto", choices=["auto", "eager", "sdpa", "gather", "triton", "cudnn"],
+                    help="train.py's --attn (auto: sdpa in the expanded form up to 32K keys; triton: the Triton "
+                         "indexer and sparse MLA; cudnn: cuDNN Frontend's indexer and sparse backward)")
+    ap.add_argument("--sparse-fwd", default="auto", choices=["auto", "flashmla", "triton", "gather"],
+                    help="train.py's --sparse-fwd: the sparse forward under --attn cudnn")
     ap.add_argument("--kda", default="auto", choices=["auto", "chunk", "chunk_opaque", "chunk_triton"],
                     help="train.py's --kda (auto: chunk_triton on a GPU; on a CPU chunk_opaque compiled, chunk "
                          "eager); chunk: traced by Inductor, the state pass a scan; chunk_opaque: the KDA chunk core "

@@ -1,0 +1,255 @@
+"""The KDA core (the delta rule over a sequence, and one decode step) against fla in one run.
+
+    PYTHONPATH=. python tests/bench/kda.py                         # H200: T = 8192, H = 96 and the decode step
+    PYTHONPATH=. python tests/bench/kda.py --shapes 8192x96 32768x32 65536x8 --chunk-triton
+
+fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
+by default.
+
+Chunked rows, B = 1, D = K = V = 128 at (T, H) = (8192, 96), (32768, 32), (65536, 8): bf16 q, k (unit rows) and v,
+fp32 log-decay g from K3's bounded gate (lower bound -5), fp32 beta, an fp32 initial state, the final state
+returned. Rows: fla's `chunk_kda` with its defaults and with `safe_gate=True, lower_bound=-5` (when fla imports),
+the project's `Backend(kda="triton")` (the Triton forward, and forward+backward once its op has a backward) and,
+with `--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
+
+Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's `fused_recurrent_kda` (state in,
+final state out) against the project's in-place step (`kda_step_inplace_triton`, q and k already normalized) and
+the fused step from the raw projections (`kda_decode_step_triton`: the three short convs, the norms and the step).
+
+Each time is the median of `--iters` calls after two warm-ups; "peak" is `torch.cuda.max_memory_allocated()` during
+the call above what was allocated before it (inputs and the output gradient allocated beforehand). Floors: FLOPs
+of the chunked form at C = 64 per token and head, triangles counted half (L and Aqk 2·C·K, the solve C·(K+V), the
+state pass 6·K·V, Aqk·U C·V: 139 KFLOP at K = V = 128; forward+backward counted as 3x the forward), and the bytes a
+pass must move: forward q, k, v, o in bf16, g and beta in fp32 (1.54 KB per token and head); forward+backward also
+do in, dq, dk, dv out in bf16 and dg, dbeta in fp32 (4.36 KB in all). The decode floor is the fp32 state read and
+written once (805 MB at B = 64, H = 96).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import kimi  # noqa: E402,F401  (registers the kimi:: ops)
+from kimi import kda  # noqa: E402
+from kimi.ops import IMPLEMENTATIONS, kda_decode_triton  # noqa: E402
+
+PEAK_TFLOPS, PEAK_TBS = 790.0, 4.8
+
+
+def measure(fn, iters: int) -> tuple[float, float]:
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def inputs(T: int, H: int, D: int, dev, *, B: int = 1) -> dict:
+    g = kda.kda_gate(torch.randn(B, T, H, D, device=dev), (1 + 15 * torch.rand(H, device=dev)).log(),
+                     torch.randn(H * D, device=dev), -5.0)
+    return dict(q=kda.l2norm(torch.randn(B, T, H, D, device=dev)).bfloat16(),
+                k=kda.l2norm(torch.randn(B, T, H, D, device=dev)).bfloat16(),
+                v=torch.randn(B, T, H, D, device=dev).bfloat16(), g=g.float(),
+                beta=torch.sigmoid(torch.randn(B, T, H, device=dev)), h0=torch.randn(B, H, D, D, device=dev))
+
+
+def fla_module():
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        return chunk_kda, fused_recurrent_kda
+    except Exception as e:
+        print(f"(fla unavailable: {type(e).__name__}: {str(e)[:120]})")
+        return None, None
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton: bool) -> None:
+    dev = torch.device("cuda")
+    x = inputs(T, H, D, dev)
+    do = torch.randn_like(x["v"])
+    scale = D ** -0.5
+    flops = 139.264e3 * (D / 128) ** 2 * T * H
+    io_fwd, io_all = 1540 * T * H * D / 128, 4364 * T * H * D / 128
+    print(f"\nKDA core, B = 1, T = {T:,}, H = {H}, D = {D}: forward {flops / 1e12:.3f} TFLOP, floor "
+          f"{flops / PEAK_TFLOPS / 1e9:.3f} ms compute, {io_fwd / PEAK_TBS / 1e9:.3f} ms I/O", flush=True)
+    print("| implementation | pass | ms | TFLOP/s | TB/s | peak GiB | vs fla safe gate |\n|---|---|---|---|---|---|---|",
+          flush=True)
+    ref = {}
+
+    def row(name, pas, fn):
+        try:
+            ms, peak = measure(fn, iters)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            print(f"| {name} | {pas} | out of memory | | | | |", flush=True)
+            return
+        f, io = (flops, io_fwd) if pas == "forward" else (3 * flops, io_all)
+        base = ref.get(pas)
+        if name.startswith("fla") and "safe" in name:
+            ref[pas] = ms
+        ratio = f"{ms / base:.2f}" if base else ""
+        print(f"| {name} | {pas} | {ms:,.2f} | {f / ms / 1e9:,.1f} | {io / ms / 1e9:,.2f} | {peak:.2f} | {ratio} |",
+              flush=True)
+
+    def grads(*ts):
+        return [t.detach().requires_grad_() for t in ts]
+
+    outs = {}
+    if chunk_kda is not None:
+        for name, kw in (("fla chunk_kda, safe gate -5", dict(safe_gate=True, lower_bound=-5.0)),
+                         ("fla chunk_kda, defaults", {})):
+            def fwd(kw=kw):
+                with torch.no_grad():
+                    return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=x["h0"],
+                                     output_final_state=True, **kw)
+
+            def fwd_bwd(kw=kw):
+                q, k, v, g, beta, h0 = grads(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
+                o, s = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True, **kw)
+                o.backward(do)
+            outs[name] = fwd()[0]
+            row(name, "forward", fwd)
+            row(name, "forward+backward", fwd_bwd)
+
+    core = IMPLEMENTATIONS["kda"].get("triton")
+    if core is None:
+        from kimi.ops import kda_triton
+        core = kda_triton.kda_chunk_fwd_triton
+        backward = False
+    else:
+        backward = True
+    name = 'ours, kda="triton"'
+
+    def ours_fwd():
+        with torch.no_grad():
+            return core(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], None, scale=scale)
+
+    def ours_fwd_bwd():
+        q, k, v, g, beta, h0 = grads(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
+        o, s = core(q, k, v, g, beta, h0, None, scale=scale)
+        o.backward(do)
+    outs[name] = ours_fwd()[0]
+    row(name, "forward", ours_fwd)
+    from kimi.ops import kda_triton as kt
+    x16 = kt.kda_intra_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale)
+    row(f"{name}: its intra-chunk kernel", "forward",
+        lambda: kt.kda_intra_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale))
+    o = torch.empty_like(x["v"])
+    row(f"{name}: its state pass (writes o)", "forward",
+        lambda: kt._state_pass(x16, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True, out=o))
+    del x16
+    if backward:
+        row(name, "forward+backward", ours_fwd_bwd)
+    else:
+        print(f"| {name} | forward+backward | (no backward yet) | | | | |", flush=True)
+
+    if with_chunk_triton:
+        from kimi.config import Backend
+        from kimi.ops import kda_core
+        fn = torch.compile(lambda q, k, v, g, beta, h0: kda_core(q, k, v, g, beta, h0, scale=scale,
+                                                                  backend=Backend(kda="chunk_triton")),
+                           fullgraph=True)
+        row('ours, kda="chunk_triton" compiled', "forward",
+            lambda: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"]))
+
+        def ct_fwd_bwd():
+            q, k, v, g, beta, h0 = grads(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
+            fn(q, k, v, g, beta, h0)[0].backward(do)
+        row('ours, kda="chunk_triton" compiled', "forward+backward", ct_fwd_bwd)
+    if len(outs) > 1:
+        first = next(iter(outs.values()))
+        print("output difference against the first row: " + ", ".join(
+            f"{n} {rel(o, first):.1e}" for n, o in list(outs.items())[1:]), flush=True)
+
+
+def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: bool = False) -> None:
+    dev = torch.device("cuda")
+    x = inputs(1, H, D, dev, B=B)
+    state = torch.randn(B, H, D, D, device=dev)
+    scale = D ** -0.5
+    nbytes = 2 * state.numel() * 4
+    print(f"\nKDA decode step, B = {B}, H = {H}, K = V = {D}: fp32 state {nbytes / 2 / 1e6:.0f} MB, read and written "
+          f"once {nbytes / 1e6:.0f} MB = {nbytes / PEAK_TBS / 1e9 * 1e3:.0f} us at {PEAK_TBS} TB/s", flush=True)
+    print("| implementation | us | TB/s (state r+w) | peak GiB |\n|---|---|---|---|", flush=True)
+
+    def row(name, fn):
+        ms, peak = measure(fn, iters)
+        print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} | {peak:.2f} |", flush=True)
+
+    q, k, v, g, beta = (x[n][:, 0] for n in ("q", "k", "v", "g", "beta"))
+    if fused_recurrent_kda is not None:
+        def fla_step():
+            return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=state,
+                                       output_final_state=True)
+        row("fla fused_recurrent_kda (new final state)", fla_step)
+    s = state.clone()
+    row("ours kda_step_inplace_triton (state in place)",
+        lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale))
+    W = 4
+    raw = [torch.randn(B, H * D, device=dev).bfloat16() for _ in range(3)]
+    weights = [torch.randn(H * D, 1, W, device=dev).bfloat16() for _ in range(3)]
+    tails = [torch.randn(B, W - 1, H * D, device=dev).bfloat16() for _ in range(3)]
+    conv_reset = torch.zeros(B, W, dtype=torch.bool, device=dev)
+    row("ours kda_decode_step_triton (convs + norms + step, in place)",
+        lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
+                                                         scale=scale))
+    if sweep:   # launch sweep of both kernels (no register cap when a config is given)
+        for bv in (16, 32, 64, 128):
+            for warps in (1, 2, 4, 8):
+                if bv * 128 // (32 * warps) > 256:
+                    continue
+                row(f"in place, block_v={bv}, {warps} warps",
+                    lambda bv=bv, warps=warps: kda_decode_triton.kda_step_inplace_triton(
+                        q, k, v, g, beta, s, scale=scale, block_v=bv, num_warps=warps))
+        for bv in (16, 32, 64):
+            for warps in (2, 4, 8):
+                row(f"fused, block_v={bv}, {warps} warps",
+                    lambda bv=bv, warps=warps: kda_decode_triton.kda_decode_step_triton(
+                        *raw, *weights, *tails, conv_reset, g, beta, s, scale=scale, block_v=bv, num_warps=warps))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=["8192x96"],
+                    help="TxH, D = 128 (the issue's: 8192x96 32768x32 65536x8)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernels' launch configs")
+    ap.add_argument("--no-fla-chunk", action="store_true",
+                    help="skip fla's chunk_kda rows (its autotuning takes minutes a shape)")
+    ap.add_argument("--chunk-triton", action="store_true", help='also kda="chunk_triton" under torch.compile')
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    chunk_kda, fused_recurrent_kda = fla_module()
+    if a.no_fla_chunk:
+        chunk_kda = None
+    for shape in a.shapes:
+        T, H = (int(s) for s in shape.split("x"))
+        chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton)
+        torch.cuda.empty_cache()
+    if not a.no_decode:
+        decode_rows(64, 96, 128, a.iters, fused_recurrent_kda, a.decode_sweep)
+
+
+if __name__ == "__main__":
+    main()
