@@ -246,7 +246,7 @@ class ModelConfig:
 AttnBackend = Literal["auto", "eager", "sdpa", "gather", "triton", "cudnn"]
 SparseForward = Literal["auto", "flashmla", "triton", "gather"]
 MLAForm = Literal["auto", "expanded", "absorbed"]
-KDABackend = Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton"]
+KDABackend = Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton", "triton"]
 MoEBackend = Literal["auto", "dense", "grouped", "gemv"]
 
 
@@ -272,7 +272,9 @@ class Backend:
     kda: KDABackend = "auto"
     """The KDA core: 'recurrent' (token loop, the definition), 'chunk' (chunkwise-parallel, traced by
     torch.compile), 'chunk_opaque' (the same as one opaque op: much shorter compiles, its backward recomputes the
-    forward) or 'chunk_triton' ('chunk' with the chunk-to-chunk state pass as one Triton kernel each way)."""
+    forward), 'chunk_triton' ('chunk' with the chunk-to-chunk state pass as one Triton kernel each way) or 'triton'
+    (the chunked forward and backward as Triton kernels, and the cached decode token as one fused kernel; needs
+    the bounded gate, gate_lower_bound ≥ −5, and a CUDA device or the interpreter)."""
     sparse_fwd: SparseForward = "auto"
     """With attn='cudnn', the sparse attention forward under cuDNN's backward: 'flashmla' (FlashMLA's
     `flash_mla_sparse_fwd`, built from its repository; 96 heads padded to 128), 'triton' (the project's kernels) or

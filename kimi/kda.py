@@ -65,7 +65,10 @@ def short_conv(x: Tensor, weight: Tensor, reset: Tensor | None = None) -> Tensor
     return F.silu(y).to(x.dtype)
 
 
-def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
     """x / sqrt(Σ x² + eps) over the last dim (eps inside the sqrt); fp32 math, x.dtype out."""
     xf = x.to(compute_dtype(x.dtype))
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
@@ -105,28 +108,43 @@ def kda_layer(p: dict, x: Tensor, cfg, backend, *, reset: Tensor | None = None, 
     H, K = la.num_heads, la.head_dim
     T = x.shape[1]
     dt = compute_dtype(x.dtype)
+    heads = lambda t: rearrange(t, "b t (h k) -> b t h k", h=H)
+    f = heads(linear(linear(x, p["f_a_proj"]), p["f_b_proj"]))
+    g = kda_gate(f, p["A_log"], p["dt_bias"], la.gate_lower_bound)
+    beta = torch.sigmoid(linear(x, p["b_proj"]).to(dt))               # fp32 before the sigmoid
+    if cache is not None and T == 1 and ops.kda_decode_fused(backend, device=x.device, dtype=x.dtype):
+        # decode on kda='triton': convs, norms and the step in one launch, the cache updated in place
+        raw = [linear(x, p[f"{name}_proj"])[:, 0] for name in ("q", "k", "v")]
+        weights = [p[f"{name}_conv1d"]["weight"] for name in ("q", "k", "v")]
+        tails = [cache[f"conv_{name}"] for name in ("q", "k", "v")]
+        o = torch.ops.kimi.kda_decode_step(*raw, *weights, *tails, step.conv_reset, g[:, 0], beta[:, 0],
+                                           cache["state"], scale=K ** -0.5, eps=L2NORM_EPS)[:, None]
+        return _output(p, x, o, cfg, heads)
     # All projections read the layer input x, not the conv outputs.
     if cache is None:
         conv = lambda name: short_conv(linear(x, p[f"{name}_proj"]), p[f"{name}_conv1d"]["weight"], reset)
     else:
         conv = lambda name: short_conv_cached(linear(x, p[f"{name}_proj"]), p[f"{name}_conv1d"]["weight"],
                                               cache[f"conv_{name}"], step.conv_reset)
-    heads = lambda t: rearrange(t, "b t (h k) -> b t h k", h=H)
     q, k, v = (heads(conv(name)) for name in ("q", "k", "v"))
-    f = heads(linear(linear(x, p["f_a_proj"]), p["f_b_proj"]))
-    g = kda_gate(f, p["A_log"], p["dt_bias"], la.gate_lower_bound)
-    beta = torch.sigmoid(linear(x, p["b_proj"]).to(dt))               # fp32 before the sigmoid
     q, k = l2norm(q), l2norm(k)
+    bound = dict(gate_lower_bound=la.gate_lower_bound)
     if cache is None:
-        o, _ = ops.kda_core(q, k, v, g, beta, None, reset, scale=K ** -0.5, backend=backend)
+        o, _ = ops.kda_core(q, k, v, g, beta, None, reset, scale=K ** -0.5, backend=backend, **bound)
     elif T == 1:   # decode: one step of the recurrence
         keep = (~step.reset[:, 0]).to(cache["state"].dtype)[:, None, None, None]
         o, S = ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache["state"] * keep, scale=K ** -0.5)
         o = o[:, None].to(v.dtype)
         cache["state"].copy_(S)
     else:          # (chunked) prefill: the chunked or recurrent core from the cached state
-        o, S = ops.kda_core(q, k, v, g, beta, cache["state"], step.reset, scale=K ** -0.5, backend=backend)
+        o, S = ops.kda_core(q, k, v, g, beta, cache["state"], step.reset, scale=K ** -0.5, backend=backend, **bound)
         cache["state"].copy_(S)
+    return _output(p, x, o, cfg, heads)
+
+
+def _output(p: dict, x: Tensor, o: Tensor, cfg, heads) -> Tensor:
+    """The gated output norm and o_proj of a KDA layer: o [B, T, H, V] -> [B, T, D]."""
+    la = cfg.linear_attn_config
     if la.use_full_rank_gate:
         gate = linear(x, p["g_proj"])
     else:

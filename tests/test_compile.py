@@ -122,6 +122,16 @@ def _op_samples():
                            (r(4, 3, 16, 8, dt=f32), r(4, 3, 16, 8, dt=f32), torch.rand(4, 3, 8),
                             r(4, 3, 8, 8, dt=f32), r(4, 3, 16, 8, dt=f32), r(4, 8, 8, dt=f32)), {}),
         "kda_step": (k_ops.kda_step.default, (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0), dict(scale=0.3)),
+        "kda_triton": (k_ops.kda_triton.default, (*f32s((q, k, v, g, beta, s0)), reset), dict(scale=0.3)),
+        "kda_triton[no initial state]": (k_ops.kda_triton.default, (*f32s((q, k, v, g, beta)), None, None),
+                                         dict(scale=0.3)),
+        "kda_triton_bwd": (k_ops.kda_triton_bwd.default, (*f32s((q, k, v, g, beta, s0)), reset,
+                                                          *f32s((r(B, T, H, V), r(B, H, K, V)))), dict(scale=0.3)),
+        "kda_decode_step": (k_ops.kda_decode_step.default,
+                            (*f32s((r(B, H * K), r(B, H * K), r(B, H * V), r(H * K, 1, 4), r(H * K, 1, 4),
+                                    r(H * V, 1, 4), r(B, 3, H * K), r(B, 3, H * K), r(B, 3, H * V))),
+                             torch.tensor([[False] * 4, [False, True, False, False]]), g[:, 0].float(),
+                             beta[:, 0].float(), s0.float()), dict(scale=0.3, eps=1e-6)),
         "indexer_topk": (k_ops.indexer_topk.default, (r(B, 3, 2, 8), r(B, T, 8), r(B, 3, 2), rg.lo[:, 3:],
                                                       rg.hi[:, 3:]), dict(topk=4, block=2)),
         "indexer_topk_triton": (k_ops.indexer_topk_triton.default,
@@ -191,7 +201,8 @@ def _opcheck(name):
     op, args, kwargs = _op_samples()[name]
     args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() and name not in
                  ("indexer_topk", "indexer_topk_triton", "indexer_topk_cudnn", "kda_chunk_opaque_bwd",
-                  "kda_states_bwd", "sparse_mla_gather_bwd", "sparse_mla_triton_bwd", "sparse_mla_cudnn_bwd") else a
+                  "kda_states_bwd", "kda_triton_bwd", "kda_decode_step", "sparse_mla_gather_bwd",
+                  "sparse_mla_triton_bwd", "sparse_mla_cudnn_bwd") else a
                  for a in args)
     if name == "kda_chunk_opaque_bwd":
         # It differentiates through torch.func.vjp, whose wrapper tensors opcheck's checkers (dispatch modes that

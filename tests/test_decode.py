@@ -86,6 +86,33 @@ def test_prefill_then_decode_float32_default_backend():
     assert err < 1e-5
 
 
+@pytest.mark.skipif(kimi.ops.registry.triton is None, reason="triton is not installed")
+def test_prefill_then_decode_on_kda_triton():
+    """Backend(kda='triton') (the Triton chunked forward for the prefill from the cache, then the fused decode
+    kernel: convs, norms and the step in one launch, the cache updated in place; on the CPU through Triton's
+    interpreter) against kda='chunk', float32, left-padded rows (the row starts reach the convs and the state):
+    logits at every step and every cache buffer, to fp32 rounding."""
+    params = kimi.init_params(CFG, seed=1)
+    B, T0, N = 2, 6, 3
+    ids, start = _ids(B, T0 + N), torch.tensor([0, 2])
+    outs, caches = [], []
+    for kda in ("triton", "chunk"):
+        backend = kimi.Backend(attn="gather", kda=kda, moe="dense")
+        cache = kimi.init_cache(CFG, B, T0 + N, start=start)
+        out, cache = kimi.forward(params, ids[:, :T0], CFG, backend, cache=cache)
+        steps = [out]
+        for t in range(T0, T0 + N):
+            out, cache = kimi.forward(params, ids[:, t:t + 1], CFG, backend, cache=cache)
+            steps.append(out)
+        outs.append(torch.cat(steps, 1))
+        caches.append(cache)
+    real = torch.arange(T0 + N)[None, :] >= start[:, None]
+    err = rel_err(outs[0][real], outs[1][real])
+    cache_err = max(rel_err(a, b) for a, b in zip(_cache_leaves(caches[0]), _cache_leaves(caches[1])))
+    print("kda='triton' vs 'chunk', prefill + decode, float32: logits", err, "cache", cache_err)
+    assert err < 1e-5 and cache_err < 1e-5
+
+
 def test_chunked_prefill_equals_one_shot(params64):
     """Uneven chunks, a chunk of padding only (row 1 starts at slot 5), a T = 1 chunk (the kda_step path) and
     chunks shorter than the conv width; logits and every cache buffer agree with one prefill call."""
@@ -142,14 +169,16 @@ CFG2 = tiny(num_hidden_layers=2, attn_res_block_size=1, index_topk=4, index_rope
             linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
 
 
-@pytest.mark.parametrize("attn", ["eager", "gather"])
-def test_decode_step_compiles_fullgraph(attn):
+@pytest.mark.parametrize("attn, kda", [("eager", "chunk"), ("gather", "chunk"), ("gather", "triton")])
+def test_decode_step_compiles_fullgraph(attn, kda):
     """One graph for a decode step (fullgraph=True: a graph break raises), no recompile as pos advances, and the
     compiled step equals eager. Left-padded rows, so the row starts are live; with index_topk = 4 below the cache's
-    length, so the indexer selects."""
+    length, so the indexer selects. kda='triton': the fused decode kernel, an op that writes the cache in place."""
+    if kda == "triton" and kimi.ops.registry.triton is None:
+        pytest.skip("triton is not installed")
     torch._dynamo.reset()
     params = kimi.init_params(CFG2, seed=0)
-    backend = kimi.Backend(attn=attn, mla_form="absorbed", kda="chunk", moe="dense")
+    backend = kimi.Backend(attn=attn, mla_form="absorbed", kda=kda, moe="dense")
     B = 2
     start = torch.tensor([0, 3])
     cache = kimi.init_cache(CFG2, B, 12, start=start)
@@ -174,14 +203,15 @@ def test_decode_step_compiles_fullgraph(attn):
 
 
 @pytest.mark.gpu
-def test_decode_step_cuda_graphs():
+@pytest.mark.parametrize("kda", ["chunk", "triton"])
+def test_decode_step_cuda_graphs(kda):
     """On CUDA: the decode step under mode="reduce-overhead" (CUDA graphs) with static cache buffers, replayed,
-    equals eager, with no cudagraph skips."""
+    equals eager, with no cudagraph skips (kda='triton': the fused decode kernel writing the cache in place)."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     params = kimi.init_params(CFG2, seed=0, device="cuda")
-    backend = kimi.Backend(mla_form="absorbed", kda="chunk", moe="dense")
+    backend = kimi.Backend(mla_form="absorbed", kda=kda, moe="dense")
     B = 2
     cache = kimi.init_cache(CFG2, B, 16, device="cuda", start=torch.tensor([0, 3]))
     _, cache = kimi.forward(params, _ids(B, 6, CFG2).cuda(), CFG2, backend, cache=cache)

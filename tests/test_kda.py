@@ -158,3 +158,38 @@ def test_layer_dtypes_and_core_inputs(variant, monkeypatch):
     for n in ("q", "k"):
         assert torch.allclose(seen[n].float().norm(dim=-1), torch.ones(()), atol=1e-2)
     assert seen["scale"] == cfg.linear_attn_config.head_dim ** -0.5
+
+
+@pytest.mark.skipif(kimi.ops.registry.triton is None, reason="triton is not installed")
+def test_layer_on_kda_triton_forward_and_backward():
+    """Backend(kda='triton') through the layer (`kimi::kda_triton`: the Triton chunked forward and backward; on the
+    CPU through the interpreter), fp32, resets inside a chunk and at its edge, against the float64 recurrence: the
+    output and the gradients of x and of every parameter, to fp32 rounding."""
+    seed = int(torch.randint(2**31, ()))
+    cfg, p64 = _layer_setup(dtype="float64", seed=seed)
+    _, p32 = _layer_setup(dtype="float32", seed=seed)
+    p32 = {**p32, "dt_bias": p64["dt_bias"].float()}
+    x = torch.randn(2, 80, cfg.hidden_size, dtype=F64)
+    reset = resets(2, 80, [[20, 64], []])
+    leaves = lambda p: {n: t for n, t in kimi.params.tree_items(p) if t.is_floating_point()}
+
+    def run(p, x, kda_impl):
+        ps = {n: t.detach().requires_grad_() for n, t in leaves(p).items()}
+        x = x.detach().requires_grad_()
+        y = kda.kda_layer(kimi.params.unflatten(ps), x, cfg, Backend(kda=kda_impl), reset=reset)
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).sum(),
+                                    [x, *ps.values()])
+        return y, dict(zip(["x", *ps], grads))
+
+    y, grads = run(p32, x.float(), "triton")
+    y_ref, ref = run(p64, x, "recurrent")
+    assert rel_err(y, y_ref) < 1e-5
+    bad = {n: rel_err(grads[n], ref[n]) for n in ref if rel_err(grads[n], ref[n]) >= 1e-4}
+    assert not bad, bad
+
+
+def test_kda_triton_needs_the_bounded_gate():
+    """kda='triton' on a softplus (unbounded) gate: one named error before any kernel runs."""
+    cfg, p = _layer_setup("kimi_linear", dtype="float32")
+    with pytest.raises(ValueError, match="needs the bounded gate"):
+        kda.kda_layer(p, torch.randn(1, 8, cfg.hidden_size), cfg, Backend(kda="triton"))

@@ -1,5 +1,6 @@
-"""The Triton chunked KDA forward (kimi/ops/kda_triton.py) against the float64 recurrence `kda_recurrent` and the
-fp32 chunked form `kda_chunk`: outputs, final states, the intra-chunk quantities and the context-parallel pre-pass.
+"""The Triton chunked KDA (kimi/ops/kda_triton.py) against the float64 recurrence `kda_recurrent` and the fp32
+chunked form `kda_chunk`: outputs, final states, the intra-chunk quantities, the context-parallel pre-pass, and the
+backward's gradients (against the float64 autograd of the recurrence).
 
 Inputs are fresh each run (conftest seeds torch; hypothesis draws its own seed). Without a GPU the kernels run
 through Triton's interpreter (conftest sets TRITON_INTERPRET=1), which for 16-bit inputs rounds the dot operands
@@ -13,6 +14,17 @@ Tolerances (‖out − ref‖ / ‖ref‖ against float64 on the same, already r
 - bf16 inputs: 5e-3 for o and the state (the ratio fla's own chunk_kda tests use). The bf16 output itself is
   rounded (~1.7e-3 of the norm); the pairwise strips take bf16 operands (q·e^g rounded: ~2e-3 on Aqk), the solve
   and the state pass TF32 ones: measured o 2.0–2.6e-3, state 0.9–1.2e-3.
+
+Backward (each of dq, dk, dv, dg, dβ, dh0 separately, loss Σ o·do + Σ S_N·dsN, same metric):
+- fp32 inputs: FP32_TOL (3e-6) for every gradient; measured ≤ 7.2e-7 over the forward cases, gates, with and
+  without dsN (worst: dg with mixed −5 / near-zero gates). What it took: dg is a suffix sum of per-row terms whose
+  pairwise parts cancel, so the Aqk diagonal is kept out of them (it cancels exactly), both sides of every pair
+  use one rounded product, each row takes the shorter of the suffix and the (negated) prefix sum, and exclusive
+  prefix sums are never cumsum(x) − x; before those, dg reached 7e-6 with gates at −5.
+- bf16 inputs: BWD_BF16_TOL (8e-3, FLA's ratio for its dq / dk / dv); measured dq ≤ 3.1e-3, dk ≤ 3.8e-3,
+  dv ≤ 3.4e-3, dg ≤ 3.8e-3, dβ ≤ 3.4e-3, dh0 ≤ 3.2e-3. dq, dk, dv are returned in bf16 (their rounding alone is
+  ~1e-3 of the norm), and the pairwise dots take bf16 operands (dAqk, dL and the anchored q, k), as in the
+  forward.
 """
 
 import pytest
@@ -110,6 +122,24 @@ def test_head_dim_128(dtype):
         assert not torch.equal(o, o32.to(dtype)) and not torch.equal(S, S32)
 
 
+def test_float16_at_saturated_gates():
+    """fp16 inputs with every gate at −5: the anchored diagonal factors reach e^{75}, past fp16's range, so the
+    pairwise dots take bf16 operands; o, the state and every gradient stay within the bf16 tolerances."""
+    x = _inputs(1, 40, 1, 32, 32, "saturated", torch.float16)
+    x["g"].requires_grad_()
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x))
+    o, S = _call(kt.kda_chunk_fwd_triton, x)
+    assert rel_err(o.cpu(), o_ref) < BF16_TOL and rel_err(S.cpu(), S_ref) < BF16_TOL
+    do = torch.randn_like(o)
+    grads = kt.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], None, do, None,
+                                    scale=0.25)
+    ref = {n: t.requires_grad_() for n, t in _f64(x).items()}
+    o64, _ = _call(delta_rule.kda_recurrent, ref)
+    want = torch.autograd.grad(o64, [ref[n] for n in ("q", "k", "v", "g", "beta", "initial_state")], do.double())
+    for name, got, w in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, want):
+        assert torch.isfinite(got).all() and rel_err(got.cpu(), w) < 8e-3, name
+
+
 @settings(max_examples=10, deadline=None)
 @given(data=st.data(), T=st.integers(1, 140), H=st.integers(1, 2), K=st.sampled_from([16, 24, 32]),
        V=st.sampled_from([16, 20, 32]), chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES),
@@ -124,13 +154,13 @@ def test_forward_any_shape(data, T, H, K, V, chunk_size, gate, h0, seed):
 
 
 def test_intra_chunk_quantities():
-    """`kda_intra_triton`'s w, u, q̃, k̃, d and Aqk against their definitions (kda_triton's docstring) in float64:
-    pairwise exponentials over [C, C, K], the solve by `solve_triangular`, segments from the resets."""
+    """`kda_intra_triton`'s w, u, q̃, k̃, d, Aqk and (I + L)⁻¹ against their definitions (kda_triton's docstring)
+    in float64: pairwise exponentials over [C, C, K], the solve by `solve_triangular`, segments from the resets."""
     B, T, H, K, V, C = 1, 64, 2, 16, 24, 32
     x = _inputs(B, T, H, K, V, "bounded", h0=False)
     reset = resets(B, T, [[9, 32, 50]])
     got = kt.kda_intra_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], reset.to(DEVICE), scale=0.25,
-                              chunk_size=C)
+                              chunk_size=C, inverse=True)
     N = T // C
     q, k, v, g, beta = (t.cpu().double().transpose(1, 2).reshape(B * H, N, C, -1) for t in
                         (x["q"], x["k"], x["v"], x["g"], x["beta"][..., None]))
@@ -148,10 +178,103 @@ def test_intra_chunk_quantities():
     inv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
     want = dict(w=inv @ (beta * k * gam.exp() * first), u=inv @ (beta * v), qd=0.25 * q * gam.exp() * first,
                 kd=k * (gam[..., -1:, :] - gam).exp() * last, A=A,
-                d=gam[..., -1, :].exp() * (seg[..., -1:] == 0))
+                d=gam[..., -1, :].exp() * (seg[..., -1:] == 0), M=inv)
     for name, ref in want.items():
         assert got[name].shape == ref.shape, name
         assert rel_err(got[name].cpu(), ref) < 1e-5, name
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+GRADS = ("q", "k", "v", "g", "beta", "initial_state")
+BWD_BF16_TOL = 8e-3   # fp32: FP32_TOL (module docstring)
+
+
+def _bwd_inputs(x, with_dsN, gen=None):
+    B, T, H, K = x["q"].shape
+    do = torch.randn(B, T, H, x["v"].shape[-1], dtype=F64, generator=gen).to(x["v"].dtype).to(DEVICE)
+    dsN = torch.randn(B, H, K, x["v"].shape[-1], generator=gen).to(DEVICE) if with_dsN else None
+    return do, dsN
+
+
+def _reference_grads(x, reset, do, dsN, scale, fn=delta_rule.kda_recurrent, dtype=F64):
+    """Autograd of `fn` in `dtype` on the same (rounded) inputs: the gradients of Σ o·do + Σ S_N·dsN, in GRADS'
+    order (None for an absent initial state)."""
+    xs = {n: t.detach().to(dtype).requires_grad_() if t is not None else None for n, t in x.items()}
+    o, S = _call(fn, xs, reset, scale=scale)
+    loss = (o * do.to(dtype)).sum() + ((S * dsN.to(dtype)).sum() if dsN is not None else 0)
+    leaves = [xs[n] for n in GRADS if xs[n] is not None]
+    grads = iter(torch.autograd.grad(loss, leaves))
+    return [next(grads) if xs[n] is not None else None for n in GRADS]
+
+
+def _check_grads(got, ref, x, tol):
+    """Each gradient separately: dtype and shape of its input, relative error below its tolerance."""
+    for name, d, r in zip(GRADS, got, ref):
+        if r is None:
+            assert d is None, name
+            continue
+        assert d.shape == x[name].shape and d.dtype == x[name].dtype, name
+        assert torch.isfinite(d).all(), name
+        err = rel_err(d.to(r.device), r)
+        assert err < tol, f"d{name}: {err:.2e}"
+
+
+BWD_CASES = {   # forward case, with a final-state gradient
+    "bounded, resets inside and at a chunk edge": True,
+    "documents in a row, near-zero / -5 gates": False,
+    "saturated at -5, no initial state": True,
+    "near-zero gates, one short chunk": False,
+}
+
+
+@pytest.mark.parametrize("case", BWD_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_matches_float64_recurrence(case, dtype):
+    """dq, dk, dv, dg, dβ and dh0 of the forward cases against the float64 autograd of the recurrence on the same
+    inputs, with and without a final-state gradient, each gradient against its own tolerance."""
+    B, T, H, K, V, gate, pos, h0 = CASES[case]
+    x = _inputs(B, T, H, K, V, gate, dtype, h0)
+    reset = resets(B, T, pos) if pos else None
+    do, dsN = _bwd_inputs(x, BWD_CASES[case])
+    ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu() if dsN is not None else None, 0.25)
+    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset.to(DEVICE) if pos else None, do, dsN, scale=0.25)
+    _check_grads(got, ref, x, FP32_TOL if dtype == torch.float32 else BWD_BF16_TOL)
+
+
+def test_backward_head_dim_128():
+    """K = V = 128 in bf16 (several key and value blocks per program), a document start inside the short chunk."""
+    x = _inputs(1, 40, 1, 128, 128, "bounded", torch.bfloat16)
+    reset = resets(1, 40, [[23]])
+    do, dsN = _bwd_inputs(x, True)
+    ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu(), 128 ** -0.5)
+    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset.to(DEVICE), do, dsN, scale=128 ** -0.5)
+    _check_grads(got, ref, x, BWD_BF16_TOL)
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data(), T=st.integers(1, 100), K=st.sampled_from([16, 24, 40]), V=st.sampled_from([16, 20, 48]),
+       chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES), h0=st.booleans(),
+       with_dsN=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_backward_any_shape(data, T, K, V, chunk_size, gate, h0, with_dsN, seed):
+    """Drawn lengths, widths (K, V of two blocks, the second masked), chunk sizes, gates, document starts, fp32."""
+    x = _inputs(1, T, 1, K, V, gate, h0=h0, seed=seed)
+    reset = resets(1, T, [data.draw(st.lists(st.integers(0, T - 1), max_size=4))])
+    do, dsN = _bwd_inputs(x, with_dsN, torch.Generator().manual_seed(seed))
+    ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu() if dsN is not None else None, 0.25)
+    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset.to(DEVICE), do, dsN, scale=0.25,
+                                  chunk_size=chunk_size)
+    _check_grads(got, ref, x, FP32_TOL)
+
+
+def test_backward_rejects_bad_gradients():
+    x = _inputs(1, 20, 1, 16, 16)
+    args = [x[n] for n in GRADS]
+    with pytest.raises(ValueError, match="do must be"):
+        kt.kda_chunk_bwd_triton(*args, None, torch.zeros(1, 20, 1, 8), None, scale=0.25)
+    with pytest.raises(ValueError, match="dsN must be float32"):
+        kt.kda_chunk_bwd_triton(*args, None, torch.zeros(1, 20, 1, 16), torch.zeros(1, 1, 16, 16, dtype=F64),
+                                scale=0.25)
 
 
 # ---------------------------------------------------------------------------------------------- context parallelism
@@ -253,3 +376,34 @@ def test_gpu_cp_prepass_at_k3_width():
     s = x["initial_state"]
     _, S_ref = _call(delta_rule.kda_chunk, {n: t.float() for n, t in x.items()}, scale=128 ** -0.5)
     assert rel_err(M @ s + s_zero, S_ref) < BF16_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("documents", [False, True])
+def test_gpu_backward_k3_shape_matches_chunk(documents):
+    """bf16 at B = 1, T = 8192, H = 96, K = V = 128, with a final-state gradient: every gradient against the fp32
+    autograd of `kda_chunk` (IEEE matmuls; its own error ~1e-7 at small shapes) on the same inputs."""
+    x, reset = _k3_inputs(torch.bfloat16)
+    reset = reset.cuda() if documents else None
+    do, dsN = _bwd_inputs(x, True)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = _reference_grads(x, reset, do, dsN, 128 ** -0.5, fn=delta_rule.kda_chunk, dtype=torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset, do, dsN, scale=128 ** -0.5)
+    _check_grads(got, ref, x, BWD_BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_backward_matches_float64_recurrence(dtype):
+    """K = V = 128 over 16 chunks and 8 heads with documents against the float64 autograd of the recurrence:
+    fp32 within 2e-5 (as the forward's GPU test; ≤ 7e-7 measured on the CPU), bf16 within BWD_BF16_TOL."""
+    x, _ = _k3_inputs(dtype, T=1024, H=8)
+    reset = resets(1, 1024, [[100, 640, 641]]).cuda()
+    do, dsN = _bwd_inputs(x, True)
+    ref = _reference_grads(x, reset, do, dsN, 128 ** -0.5)
+    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset, do, dsN, scale=128 ** -0.5)
+    _check_grads(got, ref, x, 2e-5 if dtype == torch.float32 else BWD_BF16_TOL)

@@ -7,8 +7,9 @@ layer module.
 
 | file                      | computes                               | ops (torch.ops.kimi.*)                        |
 |---------------------------|----------------------------------------|-----------------------------------------------|
-| delta_rule.py (+ _triton) | the KDA core: recurrence, step, chunks | kda_recurrent, kda_chunk, kda_chunk_opaque,   |
-|                           |                                        | kda_chunk_triton, kda_states, kda_step        |
+| delta_rule.py (+ _triton, | the KDA core: recurrence, step, chunks | kda_recurrent, kda_chunk, kda_chunk_opaque,   |
+| kda_triton.py,            |                                        | kda_chunk_triton, kda_states, kda_step,       |
+| kda_decode_triton.py)     |                                        | kda_triton (+_bwd), kda_decode_step           |
 | lightning_index.py        | indexer scores and top-k, from ranges  | indexer_topk (blocked over queries),          |
 | (+ indexer_triton.py)     |                                        | indexer_topk_triton (streaming top-k)         |
 | sparse_attention.py       | attention over the selected keys       | sparse_mla_eager, _sdpa, _absorbed (dense     |
@@ -39,6 +40,7 @@ IMPLEMENTATIONS: dict[str, dict] = {
         "chunk": torch.ops.kimi.kda_chunk.default,
         "chunk_opaque": torch.ops.kimi.kda_chunk_opaque.default,
         "chunk_triton": torch.ops.kimi.kda_chunk_triton.default,
+        "triton": torch.ops.kimi.kda_triton.default,
     },
     "attn": {   # keyed by (Backend.attn, Backend.mla_form)
         # the dense-mask references: (q, c, k_pe, kv_b, visible [B, T, S], topk_idx, *, scale)
@@ -135,13 +137,25 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
 # ---------------------------------------------------------------------------------------------- dispatch points
 
 def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None,
-             reset: Tensor | None = None, *, scale: float, backend: Backend) -> tuple[Tensor, Tensor]:
+             reset: Tensor | None = None, *, scale: float, backend: Backend,
+             gate_lower_bound: float | None = None) -> tuple[Tensor, Tensor]:
     """The KDA delta rule over a sequence (docs/numerics.md#kda-recurrence). q, k [B, T, H, K] (L2-normalized),
     v [B, T, H, V], g [B, T, H, K] log-decay, beta [B, T, H], initial_state [B, H, K, V] or None, reset [B, T]
-    bool (state zeroed before token t). Returns o [B, T, H, V] in v's dtype and the final state [B, H, K, V]
-    (fp32, or fp64 for fp64 inputs)."""
+    bool (state zeroed before token t); `gate_lower_bound`: the bound the gate guarantees (g ≥ it), which
+    kda='triton' needs (≥ `delta_rule.GATE_BOUND`). Returns o [B, T, H, V] in v's dtype and the final state
+    [B, H, K, V] (fp32, or fp64 for fp64 inputs)."""
     kda = resolve(backend, device=q.device, dtype=q.dtype).kda
+    if kda == "triton" and (gate_lower_bound is None or gate_lower_bound < delta_rule.GATE_BOUND):
+        raise ValueError(f"Backend(kda='triton') needs the bounded gate, log-decays >= {delta_rule.GATE_BOUND} "
+                         f"(linear_attn_config.gate_lower_bound), got a lower bound of {gate_lower_bound}; use "
+                         "kda='chunk_triton' for unbounded gates")
     return IMPLEMENTATIONS["kda"][kda](q, k, v, g, beta, initial_state, reset, scale=scale)
+
+
+def kda_decode_fused(backend: Backend, *, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a KDA layer's cached one-token step runs as `kimi::kda_decode_step` (convs, norms and the
+    recurrence in one launch, the cache updated in place): where `backend` resolves to kda='triton'."""
+    return resolve(backend, device=device, dtype=dtype).kda == "triton"
 
 
 def kda_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *,

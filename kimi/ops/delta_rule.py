@@ -12,7 +12,9 @@ write strength β_t ∈ (0, 1), scale s = K^-1/2.
 `kda_recurrent` is that loop and *defines* the op; `kda_chunk` computes the same thing chunkwise-parallel: within
 a chunk the writes solve a unit-lower-triangular system (UT transform), only the state hand-off between chunks is
 sequential. `kda_chunk_opaque` is `kda_chunk` as one opaque op (short compiles), `kda_chunk_triton` runs the
-hand-off as the Triton state pass `kimi::kda_states` (kernels in `delta_rule_triton.py`).
+hand-off as the Triton state pass `kimi::kda_states` (kernels in `delta_rule_triton.py`). `kimi::kda_triton` is the
+whole chunked forward and backward as Triton kernels (`kda_triton.py`; bounded gates), `kimi::kda_decode_step` a
+cached decode token from the raw projections in one launch (`kda_decode_triton.py`).
 
 Packed documents: `reset [B, T]` (True where a document starts) zeroes the state before that token; a chunk may
 hold several documents, handled exactly with per-chunk segment ids. Math runs in fp32 for fp32/bf16/fp16 inputs and
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import compute_dtype
-from . import delta_rule_triton
+from . import delta_rule_triton, kda_decode_triton, kda_triton
 from .registry import traceable
 
 SUB_CHUNK = 16  # BC: rows of one pairwise (diagonal) block
@@ -382,6 +384,83 @@ def _states_backward(ctx, dh, dU, dsN):
 
 
 kda_states.register_autograd(_states_backward, setup_context=_states_setup)
+
+
+# ---------------------------------------------------------------------------------------------- Triton chunked KDA
+
+GATE_BOUND = -5.0
+"""The Triton chunked kernels (`kda_triton.py`) need log-decays g ≥ this per token and channel: K3's bounded gate
+(`linear_attn_config.gate_lower_bound`); their anchored intra-chunk exponentials reach e^{15·|g|}."""
+
+
+@torch.library.custom_op("kimi::kda_triton", mutates_args=())
+def kda_triton_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None,
+                    reset: Tensor | None = None, *, scale: float) -> tuple[Tensor, Tensor]:
+    """KDA's chunked forward as Triton kernels (`kda_triton.kda_chunk_fwd_triton`), the contract of `kda_recurrent`
+    for bounded gates (g ≥ `GATE_BOUND`): o [B, T, H, V] in v's dtype and the fp32 final state [B, H, K, V]."""
+    s0 = initial_state.float() if initial_state is not None else None
+    return kda_triton.kda_chunk_fwd_triton(q, k, v, g, beta, s0, reset, scale=scale)
+
+
+@kda_triton_core.register_fake
+def _(q, k, v, g, beta, initial_state=None, reset=None, *, scale):
+    B, T, H, K = q.shape
+    return v.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("kimi::kda_triton_bwd", mutates_args=())
+def kda_triton_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                   reset: Tensor | None, do: Tensor, ds: Tensor, *,
+                   scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of `kimi::kda_triton` (`kda_triton.kda_chunk_bwd_triton`: the intra-chunk scratch and the states
+    recomputed, a reverse state pass, chunk-parallel gradient kernels), each in its input's dtype; the initial
+    state's gradient is zeros when there was none."""
+    s0 = initial_state.float() if initial_state is not None else None
+    grads = kda_triton.kda_chunk_bwd_triton(q, k, v, g, beta, s0, reset, do, ds.float(), scale=scale)
+    dh0 = grads[5] if grads[5] is not None else q.new_zeros(ds.shape, dtype=torch.float32)
+    like = (q, k, v, g, beta, initial_state if initial_state is not None else dh0)
+    return tuple(d.to(t.dtype).contiguous() for d, t in zip((*grads[:5], dh0), like))
+
+
+@kda_triton_bwd.register_fake
+def _(q, k, v, g, beta, initial_state, reset, do, ds, *, scale):
+    s_dtype = initial_state.dtype if initial_state is not None else torch.float32
+    return (*(t.new_empty(t.shape) for t in (q, k, v, g, beta)), q.new_empty(ds.shape, dtype=s_dtype))
+
+
+def _triton_setup(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, g, beta, s0, reset = inputs
+    ctx.save_for_backward(q, k, v, g, beta, s0, reset)
+    ctx.scale, ctx.has_s0 = keyword_only_inputs["scale"], s0 is not None
+
+
+def _triton_backward(ctx, do, ds):
+    q, k, v, g, beta, s0, reset = ctx.saved_tensors
+    if ds is None:
+        ds = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], dtype=torch.float32)
+    grads = kda_triton_bwd(q, k, v, g, beta, s0, reset, do.contiguous(), ds.contiguous(), scale=ctx.scale)
+    return (*grads[:5], grads[5] if ctx.has_s0 else None, None)
+
+
+kda_triton_core.register_autograd(_triton_backward, setup_context=_triton_setup)
+
+
+@torch.library.custom_op("kimi::kda_decode_step", mutates_args=("q_tail", "k_tail", "v_tail", "state"))
+def kda_decode_step(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
+                    v_weight: Tensor, q_tail: Tensor, k_tail: Tensor, v_tail: Tensor, conv_reset: Tensor, g: Tensor,
+                    beta: Tensor, state: Tensor, *, scale: float, eps: float) -> Tensor:
+    """One cached decode token of a KDA layer from its raw projections, in one Triton launch
+    (`kda_decode_triton.kda_decode_step_triton`): the three short convs, the q/k L2 norms and the delta-rule step;
+    the conv tails and the fp32 state are updated in place. Returns o [B, H, V]."""
+    return kda_decode_triton.kda_decode_step_triton(q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, q_tail,
+                                                    k_tail, v_tail, conv_reset, g, beta, state, scale=scale, eps=eps)
+
+
+@kda_decode_step.register_fake
+def _(q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, q_tail, k_tail, v_tail, conv_reset, g, beta, state, *,
+      scale, eps):
+    B, H, K, V = state.shape
+    return v_raw.new_empty(B, H, V)
 
 
 # ---------------------------------------------------------------------------------------------- traceable ops

@@ -38,6 +38,12 @@ wrong and TF32 is full fp32 (triton 3.9), so `_dot` rounds the operands as the t
 to nearest even; TF32: low 13 bits dropped, the coarser of the hardware's choices) and multiplies exactly: the
 CPU tests measure the GPU's rounding.
 
+**Backward.** `kda_chunk_bwd_triton` recomputes the intra-chunk scratch (with (I + L)⁻¹), reruns the state pass
+storing each chunk's entering state and U_n, runs the state recurrence's adjoint in reverse (`_state_bwd_kernel`:
+dU_n = Aqk_nᵀ dO_n + k̃_n dS_{n+1}, dS_n = q̃_nᵀ dO_n + diag(d_n) dS_{n+1} − w_nᵀ dU_n) and then forms every token
+gradient per chunk in one program (`_intra_bwd_kernel`, steps in the function's docstring), with the forward's
+anchoring of every exponential.
+
 **Context parallelism.** A slice of a sequence maps a start state S to M S + S_zero (the chunk step is affine in
 S: S_{n+1} = (diag(d_n) − k̃_nᵀ w_n) S_n + k̃_nᵀ u_n). `kda_cp_prepass_triton` returns S_zero (the state pass
 from zero) and M (the same pass with u = 0 from S = I); a document start inside the slice zeroes M. Running a
@@ -66,6 +72,16 @@ if triton is not None:
         return x.to(DT)
 
     @triton.jit
+    def _operand(x, P: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+        """x (fp32) as `_dot` with operands P multiplies it: rounded to DT for "16", to TF32 for "tf32" (low 13
+        bits dropped: the hardware then takes it exactly), unchanged for "ieee"."""
+        if P == "16":
+            x = _to16(x, DT, EMULATE).to(tl.float32)
+        elif P == "tf32":
+            x = (x.to(tl.float32).to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return x
+
+    @triton.jit
     def _dot(a, b, acc, P: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
         """acc + a @ b, accumulated in fp32, operands as P says: "ieee" fp32, "tf32" (10-bit mantissas), "16" (DT:
         bf16 / fp16). Under the interpreter (EMULATE), whose 16-bit dot is wrong and whose TF32 is full fp32, the
@@ -90,12 +106,12 @@ if triton is not None:
 
     @triton.jit
     def _intra_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr,
-                      T, H, K, V, N, scale,
+                      M_ptr, T, H, K, V, N, scale,
                       C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_RESET: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr,
-                      EMULATE: tl.constexpr):
+                      HAS_RESET: tl.constexpr, INVERSE: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr,
+                      DT: tl.constexpr, EMULATE: tl.constexpr):
         # program (chunk n, row bh = b·H + h). Inputs [B, T, H, ·] dense; scratch [B·H, N, C, ·] dense,
-        # d [B·H, N, K].
+        # d [B·H, N, K]. INVERSE: also (I + L)⁻¹ into M [B·H, N, C, C] (the backward's transposed solves).
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
@@ -207,15 +223,23 @@ if triton is not None:
                                                  EMULATE)
                 u_a = _dot(inv, x, tl.zeros([BC, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
                 tl.store(u_ptr + a_rows[:, None] * V + vv[None, :], u_a, mask=mv)
+            if INVERSE:   # the same substitution with the identity's rows on the right
+                m_prev = tl.load(M_ptr + out[:, None] * C + rows[None, :], mask=before[:, None], other=0.0)
+                x = (ra[:, None] == rows[None, :]).to(tl.float32) - _dot(
+                    l_off, m_prev, tl.zeros([BC, C], dtype=tl.float32), SOLVE, DT, EMULATE)
+                tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
+                         _dot(inv, x, tl.zeros([BC, C], dtype=tl.float32), SOLVE, DT, EMULATE))
             tl.debug_barrier()   # the next sub-block reads these rows back
 
     @triton.jit
-    def _state_kernel(w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr, s0_ptr, o_ptr, sN_ptr, T, H, K, V, N,
+    def _state_kernel(w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr, s0_ptr, o_ptr, sN_ptr, h_ptr, T, H, K, V, N,
                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, S0: tl.constexpr, HAS_U: tl.constexpr,
-                      OUT: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+                      OUT: tl.constexpr, STORE: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr,
+                      EMULATE: tl.constexpr):
         # program (row bh, block of BV state columns); the state's K rows and BV columns stay in fp32 registers
         # through all chunks. S0: 0 zeros, 1 loaded from s0 [B·H, K, V], 2 the identity (the transition, V = K).
-        # HAS_U False: u = 0. OUT: write O into o [B, T, H, V].
+        # HAS_U False: u = 0. OUT: write O into o [B, T, H, V]. STORE (the backward's pass): the state entering
+        # every chunk into h [B·H, N, K, V], and U_n over u_n.
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -233,10 +257,14 @@ if triton is not None:
             S = tl.zeros([BK, BV], dtype=tl.float32)
         for n in range(N):
             rws = (bh * N + n) * C + c
+            if STORE:
+                tl.store(h_ptr + ((bh * N + n) * K + kk[:, None]) * V + vv[None, :], S, mask=m_kv)
             w = tl.load(w_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             U = -_dot(w, S, tl.zeros([C, BV], dtype=tl.float32), STATE, DT, EMULATE)
             if HAS_U:
                 U += tl.load(u_ptr + rws[:, None] * V + vv[None, :], mask=mv[None, :], other=0.0)
+            if STORE:
+                tl.store(u_ptr + rws[:, None] * V + vv[None, :], U, mask=mv[None, :])
             if OUT:
                 qd = tl.load(qd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
                 A = tl.load(A_ptr + rws[:, None] * C + c[None, :])
@@ -249,6 +277,185 @@ if triton is not None:
             S = dn[:, None] * S + _dot(tl.trans(kd), U, tl.zeros([BK, BV], dtype=tl.float32), STATE, DT, EMULATE)
         tl.store(sN_ptr + bh * K * V + kk[:, None] * V + vv[None, :], S, mask=m_kv)
 
+
+    @triton.jit
+    def _state_bwd_kernel(qd_ptr, kd_ptr, w_ptr, A_ptr, d_ptr, do_ptr, dsN_ptr, dh_ptr, dU_ptr, dh0_ptr,
+                          T, H, K, V, N, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          HAS_DSN: tl.constexpr, HAS_DH0: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr,
+                          EMULATE: tl.constexpr):
+        # program (row bh, block of BV state columns), chunks in reverse: dS (the gradient of the state leaving
+        # chunk n) stays in fp32 registers. Writes dS_{n+1} into dh [B·H, N, K, V], dU_n into dU [B·H, N, C, V]
+        # and dS_0 into dh0 [B·H, K, V].
+        bh = tl.program_id(0).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        c = tl.arange(0, C)
+        kk = tl.arange(0, BK)
+        vv = tl.program_id(1) * BV + tl.arange(0, BV)
+        mk = kk < K
+        mv = vv < V
+        m_kv = mk[:, None] & mv[None, :]
+        if HAS_DSN:
+            dS = tl.load(dsN_ptr + bh * K * V + kk[:, None] * V + vv[None, :], mask=m_kv, other=0.0)
+        else:
+            dS = tl.zeros([BK, BV], dtype=tl.float32)
+        for i in range(N):
+            n = N - 1 - i
+            rws = (bh * N + n) * C + c
+            tl.store(dh_ptr + ((bh * N + n) * K + kk[:, None]) * V + vv[None, :], dS, mask=m_kv)
+            t = n * C + c
+            do = tl.load(do_ptr + ((b * T + t) * H + h)[:, None] * V + vv[None, :],
+                         mask=(t < T)[:, None] & mv[None, :], other=0.0).to(tl.float32)
+            A = tl.load(A_ptr + rws[:, None] * C + c[None, :])
+            kd = tl.load(kd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
+            dU = _dot(kd, dS, _dot(tl.trans(A), do, tl.zeros([C, BV], dtype=tl.float32), STATE, DT, EMULATE),
+                      STATE, DT, EMULATE)
+            tl.store(dU_ptr + rws[:, None] * V + vv[None, :], dU, mask=mv[None, :])
+            qd = tl.load(qd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
+            w = tl.load(w_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
+            dn = tl.load(d_ptr + (bh * N + n) * K + kk, mask=mk, other=0.0)
+            dS = _dot(tl.trans(qd), do, dn[:, None] * dS, STATE, DT, EMULATE)
+            dS = _dot(tl.trans(-w), dU, dS, STATE, DT, EMULATE)
+        if HAS_DH0:
+            tl.store(dh0_ptr + bh * K * V + kk[:, None] * V + vv[None, :], dS, mask=m_kv)
+
+    @triton.jit
+    def _intra_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, M_ptr, U_ptr, h_ptr, dh_ptr, dU_ptr,
+                          do_ptr, dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, T, H, K, V, N, scale,
+                          C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          HAS_RESET: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr, STATE: tl.constexpr,
+                          DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (chunk n, row bh): every gradient of the chunk's tokens from the scratch of the state passes
+        # (S_n in h, dS_{n+1} in dh, U, dU) and (I + L)⁻¹ in M; the steps are kda_chunk_bwd_triton's docstring.
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        rows = tl.arange(0, C)
+        t = n * C + rows
+        valid = t < T
+        tok = (b * T + t) * H + h
+        if HAS_RESET:
+            rst = tl.load(reset_ptr + b * T + t, mask=valid, other=0)
+        else:
+            rst = tl.zeros([C], dtype=tl.int32)
+        seg = tl.cumsum(rst, 0)
+        n_seg = tl.sum(rst, 0)
+        first = (seg == 0)[:, None]
+        last = (seg == n_seg)[:, None]
+        same = seg[:, None] == seg[None, :]
+        out = (bh * N + n) * C + rows
+        st = bh * N + n
+        Mt = tl.trans(tl.load(M_ptr + out[:, None] * C + rows[None, :]))          # (I + L)⁻ᵀ
+        beta = tl.load(beta_ptr + tok, mask=valid, other=0.0).to(tl.float32)
+        # the V side: dAqk = dO Uᵀ, dR_u = (I + L)⁻ᵀ dU, dL = −dR_u Uᵀ, dv = β dR_u
+        dA = tl.zeros([C, C], dtype=tl.float32)
+        dL = tl.zeros([C, C], dtype=tl.float32)
+        db = tl.zeros([C], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            vv = v0 + tl.arange(0, BV)
+            mv = vv[None, :] < V
+            U = tl.load(U_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
+            dU = tl.load(dU_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
+            do = tl.load(do_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
+            dA = _dot(do, tl.trans(U), dA, STATE, DT, EMULATE)
+            dR = _dot(Mt, dU, tl.zeros([C, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
+            dL = _dot(dR, tl.trans(U), dL, SOLVE, DT, EMULATE)
+            db += tl.sum(dR * v, 1)
+            tl.store(dv_ptr + tok[:, None] * V + vv[None, :], _to16(beta[:, None] * dR, dv_ptr.dtype.element_ty,
+                                                                     EMULATE), mask=valid[:, None] & mv)
+        # dAqk · s, its diagonal apart: e^{g(r,r]} = 1 exactly, and it leaves dΓ alone (its two terms, ±q_r k_r,
+        # cancel), where as anchored products they would cancel only to rounding, against a dg of O(e^{−5})
+        strict = same & (rows[None, :] < rows[:, None])
+        dA_diag = tl.sum(tl.where(rows[:, None] == rows[None, :], dA, 0.0), 1) * scale
+        dA = tl.where(strict, dA * scale, 0.0)
+        dL = tl.where(strict, -dL, 0.0)
+        blk = rows // BC
+        tri = (rows[None, :] < rows[:, None]).to(tl.float32)                  # Σ_{j<t} as a dot
+        # the K side, one block of key channels at a time
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = kk[None, :] < K
+            m = valid[:, None] & mk
+            g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            e_first = tl.where(first, tl.exp(tl.cumsum(g, 0)), 0.0)                # e^{Γ_r}, first segment
+            e_last = tl.where(last, tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)  # e^{g(j, C−1]}, last one
+            # through the state: dq̃ = dO S_nᵀ, dk̃ = U dS_{n+1}ᵀ, dw = −dU S_nᵀ, dd = Σ_v S_n ⊙ dS_{n+1}
+            dqd = tl.zeros([C, BK], dtype=tl.float32)
+            dkd = tl.zeros([C, BK], dtype=tl.float32)
+            dw = tl.zeros([C, BK], dtype=tl.float32)
+            dd = tl.zeros([BK], dtype=tl.float32)
+            for v0 in range(0, V, BV):
+                vv = v0 + tl.arange(0, BV)
+                mv = vv[None, :] < V
+                m_kv = (kk[:, None] < K) & mv
+                S = tl.load(h_ptr + (st * K + kk[:, None]) * V + vv[None, :], mask=m_kv, other=0.0)
+                dS = tl.load(dh_ptr + (st * K + kk[:, None]) * V + vv[None, :], mask=m_kv, other=0.0)
+                U = tl.load(U_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
+                dU = tl.load(dU_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
+                do = tl.load(do_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv,
+                             other=0.0).to(tl.float32)
+                dqd = _dot(do, tl.trans(S), dqd, STATE, DT, EMULATE)
+                dkd = _dot(U, tl.trans(dS), dkd, STATE, DT, EMULATE)
+                dw = _dot(dU, tl.trans(S), dw, STATE, DT, EMULATE)
+                dd += tl.sum(S * dS, 1)
+            dRw = -_dot(Mt, dw, tl.zeros([C, BK], dtype=tl.float32), SOLVE, DT, EMULATE)   # through the solve
+            # the pairwise terms, by query sub-block a with the forward's anchor n_a (its first row): query rows
+            # carry e^{g(n_a, r]}, earlier keys e^{g(j, n_a]}, its own keys e^{−g(n_a, j]}. Both sides of each pair
+            # (the query row's gradient and the key row's) come from the same rounded dot operands, and dΓ takes
+            # those operands too: a pair's +/− terms in dΓ are then one product, and cancel in dg's suffix sums
+            # to fp32 accumulation error rather than to the operands' 16-bit rounding.
+            dqa = tl.zeros([C, BK], dtype=tl.float32)       # Σ_{j<r} dAqk_rj k_j e^{g(j,r]}  (· s)
+            dkq = tl.zeros([C, BK], dtype=tl.float32)       # Σ_{j<r} dL_rj k_j e^{g(j,r]}
+            dkk = tl.zeros([C, BK], dtype=tl.float32)       # Σ_{r>j} (dAqk_rj q_r + dL_rj β_r k_r) e^{g(j,r]}
+            dgam = tl.zeros([C, BK], dtype=tl.float32)      # their part of dΓ
+            z = tl.zeros([C, BK], dtype=tl.float32)
+            for a in range(C // BC):
+                na = a * BC
+                in_a = (blk == a)[:, None]
+                upto = rows[:, None] < na + BC
+                g_in = tl.where(rows[:, None] <= na, g, 0.0)
+                to_anchor = tl.cumsum(g_in, 0, reverse=True) - g_in             # g(j, n_a] for j < n_a
+                f = tl.cumsum(tl.where(in_a & (rows[:, None] > na), g, 0.0), 0)  # g(n_a, r] on a
+                phi = tl.where(rows[:, None] < na, to_anchor, tl.where(upto, -f, 0.0))
+                e_k = tl.where(upto, tl.exp(phi), 0.0)                           # ≤ 1 before a, ≤ e^75 on a
+                e_q = tl.where(in_a, tl.exp(tl.where(in_a, f, 0.0)), 0.0)
+                k_anc = _operand(kt * e_k, PAIR, DT, EMULATE)
+                q_anc = _operand(q * e_q, PAIR, DT, EMULATE)
+                b_anc = _operand(beta[:, None] * kt * e_q, PAIR, DT, EMULATE)
+                dA_a = tl.where(in_a, dA, 0.0)
+                dL_a = tl.where(in_a, dL, 0.0)
+                xq = _dot(dA_a, k_anc, z, PAIR, DT, EMULATE)                    # rows of a
+                xl = _dot(dL_a, k_anc, z, PAIR, DT, EMULATE)
+                yk = _dot(tl.trans(dL_a), b_anc, _dot(tl.trans(dA_a), q_anc, z, PAIR, DT, EMULATE), PAIR, DT,
+                          EMULATE)                                               # keys up to a's last row
+                dqa += e_q * xq
+                dkq += e_q * xl
+                dkk += e_k * yk
+                dgam += q_anc * xq + b_anc * xl - k_anc * yk
+            bk = beta[:, None] * kt
+            dq = scale * e_first * dqd + dqa + dA_diag[:, None] * kt
+            dk = beta[:, None] * (e_first * dRw + dkq) + e_last * dkd + dkk + dA_diag[:, None] * q
+            db += tl.sum(kt * (e_first * dRw + dkq), 1)
+            # dΓ_r: each factor x·e^{±Γ} gives ±x·e^{±Γ}·(its gradient); k̃ and d depend on Γ_{C−1} − Γ_j and
+            # Γ_{C−1}, summed here directly over the gates they span
+            # The pairwise part of dΓ sums to zero over the chunk (each pair gives ±): Σ_{r≥t} = −Σ_{r<t}, and the
+            # shorter of the two sums cancels over fewer pairs (and the first row's is exactly 0). Exclusive prefix
+            # sums are a dot with the strict lower triangle, not cumsum(x) − x: at the chunk's end k̃'s own term
+            # is O(1) against an O(e^{−5}) sum.
+            late = (2 * rows >= tl.minimum(T - n * C, C))[:, None]
+            kdk = dkd * kt * e_last
+            dg = tl.where(late, tl.cumsum(dgam, 0, reverse=True), -_dot(tri, dgam, z, "ieee", DT, EMULATE))
+            dn = tl.where(n_seg == 0, tl.exp(tl.sum(g, 0)), 0.0)
+            dg += (tl.cumsum(bk * e_first * dRw + scale * q * e_first * dqd, 0, reverse=True)
+                   + _dot(tri, kdk, z, "ieee", DT, EMULATE) + (dd * dn)[None, :])
+            tl.store(dq_ptr + tok[:, None] * K + kk[None, :], _to16(dq, dq_ptr.dtype.element_ty, EMULATE), mask=m)
+            tl.store(dk_ptr + tok[:, None] * K + kk[None, :], _to16(dk, dk_ptr.dtype.element_ty, EMULATE), mask=m)
+            tl.store(dg_ptr + tok[:, None] * K + kk[None, :], _to16(dg, dg_ptr.dtype.element_ty, EMULATE), mask=m)
+        tl.store(db_ptr + tok, _to16(db, db_ptr.dtype.element_ty, EMULATE), mask=valid)
 
 _DT16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -274,6 +481,14 @@ def state_config(K: int, V: int, ieee: bool) -> dict:
     if ieee and BK > 64:
         return dict(BK=BK, BV=min(_pow2(V), 16), num_warps=8, num_stages=1)
     return dict(BK=BK, BV=min(_pow2(V), 64 if BK <= 64 else 32), num_warps=4, num_stages=2 if BK <= 64 else 1)
+
+
+def intra_bwd_config(C: int, K: int, V: int) -> dict:
+    """The intra-chunk backward's launch config: key channels in pieces of 16 and value channels of at most 32
+    (the program keeps (I + L)⁻ᵀ, dAqk and dL [C, C] and about a dozen [C, BK] fp32 tiles live), 8 warps at
+    C = 64 (sm_90 offline compile at K = V = 128: 0.8 KB of spills a thread for bf16, 1.4 KB for fp32, against
+    1.9 / 3.2 KB with 32-column key pieces; 4 or 16 warps spill more)."""
+    return dict(BK=16, BV=min(_pow2(V), 32), num_warps=8 if C >= 64 else 4, num_stages=1)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
@@ -314,18 +529,20 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 
 def _dots(dtype: torch.dtype, *which: str) -> dict:
     """The dot operands of `which` ("pair", "solve", "state") for inputs of `dtype` (fp32: "ieee" everywhere), the
-    16-bit type and whether the interpreter emulates the tensor cores' rounding."""
+    16-bit operand type and whether the interpreter emulates the tensor cores' rounding. fp16 inputs take bf16
+    operands: the anchored diagonal blocks' factors reach e^{75} with gates of −5, past fp16's range."""
     prec = {w.upper(): PRECISION[w] if dtype in _DT16 else "ieee" for w in which}
-    return dict(prec, DT=getattr(tl, _DT16.get(dtype, "float32")), EMULATE=interpreted())
+    return dict(prec, DT=tl.bfloat16 if dtype in _DT16 else tl.float32, EMULATE=interpreted())
 
 
 def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None = None, *,
-                     scale: float, chunk_size: int = 64) -> dict[str, Tensor]:
+                     scale: float, chunk_size: int = 64, inverse: bool = False) -> dict[str, Tensor]:
     """The intra-chunk quantities of every chunk (module docstring), one program per (chunk, sequence × head).
 
     q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], reset [B, T] bool or None. Returns fp32 tensors over
     rows R = B·H (b-major) and chunks N = ⌈T / C⌉ (the last chunk zero-padded): w, q̃ ("qd"), k̃ ("kd")
-    [R, N, C, K], u [R, N, C, V], Aqk ("A") [R, N, C, C], d [R, N, K]."""
+    [R, N, C, K], u [R, N, C, V], Aqk ("A") [R, N, C, C], d [R, N, K]; with `inverse` also (I + L)⁻¹ ("M")
+    [R, N, C, C] (the backward's)."""
     _check(q, k, v, g, beta, None, reset, chunk_size, "kda_intra_triton")
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -335,19 +552,23 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     f32 = dict(dtype=torch.float32, device=q.device)
     x = dict(w=torch.empty(R, N, C, K, **f32), u=torch.empty(R, N, C, V, **f32), qd=torch.empty(R, N, C, K, **f32),
              kd=torch.empty(R, N, C, K, **f32), A=torch.empty(R, N, C, C, **f32), d=torch.empty(R, N, K, **f32))
+    if inverse:
+        x["M"] = torch.empty(R, N, C, C, **f32)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     rst = reset.to(torch.int32).contiguous() if reset is not None else q   # q: a pointer never read
     cfg = intra_config(C, K, V)
     _intra_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["A"], x["d"],
-                          T, H, K, V, N, float(scale), C=C, BC=SUB_CHUNK, BK=cfg["BK"], BV=cfg["BV"],
-                          HAS_RESET=reset is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                          **_dots(q.dtype, "pair", "solve"))
+                          x.get("M", x["A"]), T, H, K, V, N, float(scale), C=C, BC=SUB_CHUNK, BK=cfg["BK"],
+                          BV=cfg["BV"], HAS_RESET=reset is not None, INVERSE=inverse, num_warps=cfg["num_warps"],
+                          num_stages=cfg["num_stages"], **_dots(q.dtype, "pair", "solve"))
     return x
 
 
 def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
-                s0: Tensor | None, identity: bool, with_u: bool, out: Tensor | None) -> Tensor:
-    """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V]."""
+                s0: Tensor | None, identity: bool, with_u: bool, out: Tensor | None,
+                states: Tensor | None = None) -> Tensor:
+    """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V].
+    `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n over x["u"]."""
     R, N, C = x["w"].shape[:3]
     cfg = state_config(K, V, ieee=dtype not in _DT16)
     sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
@@ -355,8 +576,9 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     mode = 2 if identity else (1 if s0 is not None else 0)
     _state_kernel[(R, triton.cdiv(V, cfg["BV"]))](
         x["w"], x["u"], x["qd"], x["kd"], x["A"], x["d"], s0_ptr, out if out is not None else sN, sN,
-        T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u, OUT=out is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dots(dtype, "state"))
+        states if states is not None else sN, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode,
+        HAS_U=with_u, OUT=out is not None, STORE=states is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **_dots(dtype, "state"))
     return sN
 
 
@@ -394,3 +616,74 @@ def kda_cp_prepass_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     s_zero = _state_pass(x, B, T, H, K, V, q.dtype, s0=None, identity=False, with_u=True, out=None)
     M = _state_pass(x, B, T, H, K, K, q.dtype, s0=None, identity=True, with_u=False, out=None)
     return s_zero, M
+
+
+def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                         reset: Tensor | None, do: Tensor, dsN: Tensor | None, *, scale: float,
+                         chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The gradients of `kda_chunk_fwd_triton`'s (o, final state) w.r.t. q, k, v, g, beta and the initial state,
+    given do [B, T, H, V] (the output's gradient) and dsN [B, H, K, V] float32 or None (the final state's).
+
+    Inputs as the forward's (same contract: bounded gates, resets, fp32 / 16-bit). Returns (dq, dk, dv, dg, dbeta,
+    dh0), each gradient in its input's dtype (dq, dk, dv in q's; dg and dbeta in g's and beta's, fp32 in the
+    layer) and dh0 [B, H, K, V] float32, None without an initial state. Four launches, all state math in fp32:
+
+    1. `kda_intra_triton` again, with (I + L)⁻¹ (M) as well.
+    2. The forward state pass, storing every chunk's entering state S_n [R, N, K, V] and U_n over u.
+    3. The reverse state pass, per (row, block of state columns), chunks n = N−1..0 from dS_N = dsN:
+           dU_n = Aqk_nᵀ dO_n + k̃_n dS_{n+1},    dS_n = q̃_nᵀ dO_n + diag(d_n) dS_{n+1} − w_nᵀ dU_n,
+       storing dS_{n+1} and dU_n; dh0 = dS_0.
+    4. Per (chunk, row), every token gradient. Through the state: dq̃ = dO S_nᵀ, dk̃ = U dS_{n+1}ᵀ,
+       dw = −dU S_nᵀ, dd = Σ_v S_n ⊙ dS_{n+1}, dAqk = dO Uᵀ (on Aqk's pattern). Through the solves
+       X = (I + L)⁻¹ R: dR = (I + L)⁻ᵀ dX; dL = −(dR_w wᵀ + dR_u uᵀ) collapses to −dR_u Uᵀ, because
+       u = U + w S_n and dR_w = −dR_u S_nᵀ (on L's pattern). Then dv = β dR_u, and the factors
+       R_w = β K e^{Γ}, q̃ = s Q e^{Γ}, k̃ = K e^{g(j,C−1]}, d = e^{Γ_{C−1}} and the pairwise sums of L and Aqk give
+       dq, dk, dβ and dΓ (the gradient w.r.t. the prefix sums Γ_r: a factor x e^{±Γ} contributes ±x e^{±Γ} times
+       its own gradient); dg_t = Σ_{r≥t} dΓ_r, except that the terms of k̃ and d, which span the gates after j
+       and all gates, are summed over exactly those (a prefix and a constant), not as differences.
+       The pairwise gradients keep the forward's anchoring: query rows of sub-block a meet earlier keys through
+       e^{g(n_a, r]} · e^{g(j, n_a]} and its own keys through e^{g(n_a, r]} · e^{−g(n_a, j]} (n_a its first row);
+       the transposed sums (key rows of sub-block a against later queries) are the mirror image, anchored at
+       its last row m_a: e^{g(j, m_a]} · e^{g(m_a, r]} and e^{g(j, m_a]} · e^{−g(r, m_a]}. Each dot takes the
+       whole chunk's dAqk or dL with the rows (or columns) of one sub-block kept, so all of a chunk's gradients
+       stay in registers (no scratch round trip), at 4x the minimal pairwise dot work.
+
+    Precision as the forward (`PRECISION`): the pairwise dots "pair", the dots with (I + L)⁻ᵀ and dL "solve",
+    those with states, dO, U and dU "state". Scratch: the forward's (w, u, q̃, k̃, Aqk, d) plus M [R, N, C, C],
+    S_n and dS_{n+1} [R, N, K, V] and dU [R, N, C, V], all fp32."""
+    _check(q, k, v, g, beta, initial_state, reset, chunk_size, "kda_chunk_bwd_triton")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if do.shape != v.shape:
+        raise ValueError(f"kda_chunk_bwd_triton: do must be [B, T, H, V] = {list(v.shape)}, got {list(do.shape)}")
+    if dsN is not None and (dsN.shape != (B, H, K, V) or dsN.dtype != torch.float32):
+        raise ValueError(f"kda_chunk_bwd_triton: dsN must be float32 [B, H, K, V] = {[B, H, K, V]}, got "
+                         f"{dsN.dtype} {list(dsN.shape)}")
+    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=True)
+    R, N, C = x["w"].shape[:3]
+    f32 = dict(dtype=torch.float32, device=q.device)
+    states = torch.empty(R, N, K, V, **f32)
+    _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=None, states=states)
+    U = x["u"]                                                    # U_n now (the pass wrote it over u)
+
+    dstates = torch.empty(R, N, K, V, **f32)
+    dU = torch.empty(R, N, C, V, **f32)
+    dh0 = torch.empty(B, H, K, V, **f32) if initial_state is not None else None
+    do = do.contiguous()
+    dsN = dsN.contiguous() if dsN is not None else None
+    cfg = state_config(K, V, ieee=q.dtype not in _DT16)
+    _state_bwd_kernel[(R, triton.cdiv(V, cfg["BV"]))](
+        x["qd"], x["kd"], x["w"], x["A"], x["d"], do, dsN if dsN is not None else dstates, dstates, dU,
+        dh0 if dh0 is not None else dstates, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"],
+        HAS_DSN=dsN is not None, HAS_DH0=dh0 is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **_dots(q.dtype, "state"))
+
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
+    rst = reset.to(torch.int32).contiguous() if reset is not None else q
+    cfg = intra_bwd_config(C, K, V)
+    _intra_bwd_kernel[(N, R)](
+        q, k, v, g, beta, rst, x["M"], U, states, dstates, dU, do, dq, dk, dv, dg, dbeta, T, H, K, V, N,
+        float(scale), C=C, BC=SUB_CHUNK, BK=cfg["BK"], BV=cfg["BV"], HAS_RESET=reset is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dots(q.dtype, "pair", "solve", "state"))
+    return dq, dk, dv, dg, dbeta, dh0

@@ -91,12 +91,12 @@ def fill_cache(cache: dict, context: int):
     cache["pos"].fill_(context)
 
 
-def decode_setup(cfg, params, B, context, max_len, device, attn: str = "auto"):
-    """A cache of max_len slots filled to `context`, the backend (`attn` as `kimi.Backend.attn`), one eager decode
-    step and its input ids."""
+def decode_setup(cfg, params, B, context, max_len, device, attn: str = "auto", kda: str = "auto"):
+    """A cache of max_len slots filled to `context`, the backend (`attn`, `kda` as `kimi.Backend`'s), one eager
+    decode step and its input ids."""
     cache = kimi.init_cache(cfg, B, max_len, dtype=params["model"]["embed_tokens"]["weight"].dtype, device=device)
     fill_cache(cache, context)
-    backend = kimi.Backend(attn=attn, mla_form="absorbed")
+    backend = kimi.Backend(attn=attn, mla_form="absorbed", kda=kda)
 
     def step(params, ids, cache):
         logits, _ = kimi.forward(params, ids, cfg, backend, cache=cache)
@@ -105,8 +105,9 @@ def decode_setup(cfg, params, B, context, max_len, device, attn: str = "auto"):
     return cache, backend, step, torch.randint(0, min(cfg.vocab_size, 256), (B, 1), device=device)
 
 
-def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "graph", attn: str = "auto") -> float:
-    cache, backend, step, ids = decode_setup(cfg, params, B, context, context + steps + 8, device, attn)
+def bench(cfg, params, B, context, steps, compile: bool, device, mode: str = "graph", attn: str = "auto",
+          kda: str = "auto") -> float:
+    cache, backend, step, ids = decode_setup(cfg, params, B, context, context + steps + 8, device, attn, kda)
     if not compile:
         fn = step
     elif mode == "graph":      # what generate.py runs: regional compile, the whole step as one CUDA graph
@@ -163,6 +164,8 @@ def main():
     ap.add_argument("--attn", default="auto", choices=["auto", "eager", "gather", "triton"],
                     help="kimi.Backend.attn of the step (auto: the dense absorbed path up to 8,192 slots, then "
                          "gather)")
+    ap.add_argument("--kda", default="auto", choices=["auto", "chunk", "chunk_triton", "triton"],
+                    help="kimi.Backend.kda (triton: the fused decode kernel, convs + norms + step in one launch)")
     ap.add_argument("--mode", default="graph", choices=["graph", "whole"],
                     help="graph: generate.py's decode (regional compile + one captured CUDA graph); whole: one "
                          "torch.compile fullgraph of the step with mode='reduce-overhead'")
@@ -181,14 +184,14 @@ def main():
     compile = not a.no_compile and device.type == "cuda"
     rows = []
     for B in a.batch:
-        step = bench(cfg, params, B, a.context, a.steps, compile, device, a.mode, a.attn)
+        step = bench(cfg, params, B, a.context, a.steps, compile, device, a.mode, a.attn, a.kda)
         parts = floor_bytes(cfg, params, B, a.context)
         total = sum(parts.values())
         floor = total / bw
         rows.append((B, step, floor, parts, total))
     print()
     how = f"compiled ({a.mode}, CUDA graphs)" if compile else "eager"
-    print(f"context {a.context} tokens, attn {a.attn}, {how}, bandwidth "
+    print(f"context {a.context} tokens, attn {a.attn}, kda {a.kda}, {how}, bandwidth "
           f"{bw / 1e12:.2f} TB/s")
     print("| batch | ms / step | tokens/s | floor ms | floor / step | weights GB | KDA state GB | MLA cache GB |")
     print("|---|---|---|---|---|---|---|---|")

@@ -4,7 +4,7 @@ conversions. Launch arguments are specialized as Triton's launcher does (16-byte
 divisible by 16 marked so, ints equal to 1 made constants): without that every gather compiles to 2-byte loads
 and the spills come out several times too large.
 
-    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv
+    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv kda-bwd
 
 Needs a Triton with its NVIDIA backend (a Linux wheel; the device's version is 3.6: `pip install triton==3.6.0`
 into a separate environment). Registers and spills decide occupancy and show where a launch configuration will
@@ -28,6 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kimi.ops import indexer_triton as it  # noqa: E402
+from kimi.ops import kda_triton as kt  # noqa: E402
 from kimi.ops import sparse_mla_triton as sm  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -122,7 +123,47 @@ def sparse_dkv():
                                           num_stages=cfg.dkv_num_stages or cfg.num_stages)
 
 
-KERNELS = {"indexer": indexer, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv}
+def kda_bwd():
+    """The chunked KDA backward's four launches at K3's K = V = 128, C = 64 (T = 8192, H = 96), bf16 and fp32."""
+    N, C, KD = T // 64, 64, 128
+    for name, dt in (("bf16", "bfloat16"), ("fp32", "float32")):
+        x = "*bf16" if name == "bf16" else F32
+        prec = {w.upper(): kt.PRECISION[w] if name == "bf16" else "ieee" for w in ("pair", "solve", "state")}
+        common = dict(DT=getattr(triton.language, dt), EMULATE=False)
+        c = kt.intra_config(C, KD, KD)
+        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=F32, u_ptr=F32,
+                    qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, M_ptr=F32)
+        consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, INVERSE=True,
+                      PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
+        yield f"kda intra (recompute, with (I+L)^-1) {name} {c}", report(
+            kt._intra_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
+        c = kt.state_config(KD, KD, ieee=name == "fp32")
+        ptrs = dict(w_ptr=F32, u_ptr=F32, qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, s0_ptr=F32, o_ptr=x,
+                    sN_ptr=F32, h_ptr=F32)
+        consts = dict(C=C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, OUT=False, STORE=True, STATE=prec["STATE"],
+                      **common)
+        yield f"kda state pass, storing S_n and U {name} {c}", report(
+            kt._state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+        ptrs = dict(qd_ptr=F32, kd_ptr=F32, w_ptr=F32, A_ptr=F32, d_ptr=F32, do_ptr=x, dsN_ptr=F32, dh_ptr=F32,
+                    dU_ptr=F32, dh0_ptr=F32)
+        consts = dict(C=C, BK=c["BK"], BV=c["BV"], HAS_DSN=True, HAS_DH0=True, STATE=prec["STATE"], **common)
+        yield f"kda reverse state pass {name} {c}", report(
+            kt._state_bwd_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+        c = kt.intra_bwd_config(C, KD, KD)
+        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32,
+                    h_ptr=F32, dh_ptr=F32, dU_ptr=F32, do_ptr=x, dq_ptr=x, dk_ptr=x, dv_ptr=x, dg_ptr=F32,
+                    db_ptr=F32)
+        consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, **prec, **common)
+        yield f"kda intra backward {name} {c}", report(
+            kt._intra_bwd_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+KERNELS = {"indexer": indexer, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv,
+           "kda-bwd": kda_bwd}
 
 
 def main():
