@@ -22,6 +22,7 @@
 #   bash tests/bench/gpu_all.sh kda                        # the KDA core and decode step against fla (tests/bench/kda.py)
 #   bash tests/bench/gpu_all.sh kda-quick                  # the same without fla's chunk_kda (its autotuning is slow)
 #   bash tests/bench/gpu_all.sh kda-decode-sweep           # the decode kernels' launch sweep
+#   bash tests/bench/gpu_all.sh decode-graphs              # the decode step in CUDA graphs (kda chunk and triton)
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
 #   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles)
 #   bash tests/bench/gpu_all.sh fsdp-fp32                  # fsdp-eager in fp32 without TF32: parity to rounding
@@ -83,12 +84,13 @@ for part in "$@"; do
     kda-triton-tests) run kda-triton-tests 300 python -m pytest -q -x tests/test_kda_triton.py \
                         tests/test_kda_decode_triton.py -m gpu ;;
     kda) run kda 400 python -W ignore tests/bench/kda.py ;;
+    decode-graphs) run decode-graphs 200 python -m pytest -q -x tests/test_decode.py -m gpu ;;
     kda-quick) run kda-quick 150 python -W ignore tests/bench/kda.py --no-fla-chunk ;;
     kda-decode-sweep) run kda-decode-sweep 120 python -W ignore tests/bench/kda.py --shapes --decode-sweep ;;
     fsdp) run fsdp 580 python -W ignore tests/bench/fsdp.py ;;
     fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
     fsdp-fp32) run fsdp-fp32 580 python -W ignore tests/bench/fsdp.py --compile off --dtype float32 --no-tf32 \
                  --steps 12 ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-attn, train-chunk, recompute, recompute-long, sparse-tests, sparse, sparse-tune, cudnn-tests, kda-triton-tests, kda, kda-quick, kda-decode-sweep, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-attn, train-chunk, recompute, recompute-long, sparse-tests, sparse, sparse-tune, cudnn-tests, kda-triton-tests, kda, kda-quick, kda-decode-sweep, decode-graphs, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
   esac
 done
