@@ -264,8 +264,8 @@ def test_step_inplace_matches_kda_step(dtype):
 
 def test_launch_config_and_errors():
     """The launch config is a function of the head dims; misuse gets one named error."""
-    assert kd.decode_config(128, 128) == (128, 64, 8, 128)
-    assert kd.decode_config(16, 16) == (16, 16, 1, None)
+    assert kd.decode_config(128, 128) == (128, 32, 2) and kd.decode_config(128, 128, fused=False) == (128, 64, 4)
+    assert kd.decode_config(16, 16) == (16, 16, 1)
     B, H, K, W = 1, 1, 16, 4
     w = torch.randn(H * K, 1, W)
     x = torch.randn(B, H * K)

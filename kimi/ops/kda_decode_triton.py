@@ -111,36 +111,36 @@ if triton is not None:
             tl.store(o_ptr + bh * V + vv, _to16(o, o_ptr.dtype.element_ty, EMULATE), mask=mv)
 
 
-def decode_config(K: int, V: int) -> tuple[int, int, int, int | None]:
-    """(BK, BV, num_warps, maxnreg) of the decode kernels for head dims K, V: all K rows and BV ≤ 64 columns of the
-    state in registers, about 32 state elements per thread. K = V = 128: [128, 64] blocks, 8 warps, capped at 128
-    registers so that two programs share an SM (65536 registers); Triton 3.6 compiles that for sm_90 without
-    spills, the fused and the plain kernel alike (uncapped, ptxas takes ~160 and one program fits)."""
+def decode_config(K: int, V: int, fused: bool = True) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) of the decode kernels for head dims K, V: all K rows and BV columns of the
+    state in registers, 64 state elements a thread. The fused kernel (one program per row and head, walking its
+    column blocks) takes 32 columns, the in-place step (column blocks over the grid) 64. Tuned at B = 64, H = 96,
+    K = V = 128 on the H200 (`tests/bench/kda.py --decode-sweep`, docs/performance.md#kda): fused [128, 32] blocks
+    on 2 warps 396 µs against 456-502 µs for [128, 64] on 8 warps capped at 128 registers; the plain step [128, 64]
+    on 4 warps 335 µs against 369-389."""
     if K > 256:
         raise ValueError(f"kda decode: the key dim K={K} must be at most 256 (a [K, BV] state block stays in "
                          "registers)")
     BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(64, triton.next_power_of_2(V)))
-    warps = max(1, min(8, BK * BV // 1024))
-    return BK, BV, warps, 128 if warps == 8 and BK * BV <= 8192 else None
+    BV = max(16, min(32 if fused else 64, triton.next_power_of_2(V)))
+    return BK, BV, max(1, min(8, BK * BV // 2048))
 
 
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
             split_v):
     B, H, K, V = state.shape
-    BK, BV, warps, maxnreg = decode_config(K, V)
-    if block_v is not None or num_warps is not None:   # a benchmark's choice: no register cap
+    BK, BV, warps = decode_config(K, V, fused=not split_v)
+    if block_v is not None or num_warps is not None:   # a benchmark's choice
         if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
             raise ValueError(f"kda decode: block_v={block_v} must be a power of two")
-        BV, warps, maxnreg = block_v or BV, num_warps or warps, None
+        BV, warps = block_v or BV, num_warps or warps
     NV = triton.cdiv(V, BV)
     NB, splits = (1, NV) if split_v else (NV, 1)
     if B * H:
         _decode_kernel[(B * H, splits)](
             q, k, v, *weights, *tails, reset, g, beta, state, o, H, K, V, scale, eps,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
-            DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), num_warps=warps,
-            **({} if maxnreg is None else {"maxnreg": maxnreg}))
+            DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), num_warps=warps)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
@@ -160,7 +160,7 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         g [B, H, K]: the log-decay (`kda_gate`'s output), beta [B, H]: the write strength, both read in fp32.
         state [B, H, K, V] float32, contiguous: the recurrent state, updated in place.
         scale: the query scale (K^-1/2); eps: `l2norm`'s (inside the sqrt).
-        block_v, num_warps: override `decode_config` (benchmarks; then no register cap).
+        block_v, num_warps: override `decode_config` (benchmarks).
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """
