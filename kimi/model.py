@@ -158,7 +158,7 @@ def recomputed(layer: Callable = layer_step) -> Callable:
 
 
 RECOMPUTE_KEEPS = frozenset({torch.ops.kimi.indexer_topk.default, torch.ops.kimi.indexer_topk_triton.default,
-                             torch.ops.aten.topk.default})
+                             torch.ops.kimi.indexer_topk_cudnn.default, torch.ops.aten.topk.default})
 """Ops whose outputs `recomputed` saves: selections (a hard top-k recomputed from slightly different rounding could
 pick other keys or experts than the forward did)."""
 

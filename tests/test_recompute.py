@@ -134,3 +134,13 @@ def test_auto_recomputes_only_where_activations_crowd_the_gpu():
         assert recompute_wanted(cfg, 1 << 20, torch.device("cuda"), trainable=0)
         assert recompute_wanted(cfg, 16, torch.device("cuda"), trainable=10 ** 12)
         assert not recompute_wanted(cfg, 16, torch.device("cuda"), trainable=0)
+
+
+def test_every_selection_op_is_kept():
+    """Every registered top-k selection op (the indexer on each backend) is one whose output the recompute saves: a
+    new indexer implementation left out of `RECOMPUTE_KEEPS` would be recomputed (its cost twice, and a hard
+    selection recomputed from other rounding could pick other keys)."""
+    from kimi.model import RECOMPUTE_KEEPS
+    indexers = {getattr(torch.ops.kimi, name).default for name in dir(torch.ops.kimi)
+                if name.startswith("indexer_topk")}
+    assert indexers and indexers <= RECOMPUTE_KEEPS
