@@ -20,7 +20,9 @@ global batch, so gradient accumulation and data parallelism give the same gradie
 Several GPUs (`torchrun`): PyTorch FSDP2 with one unit per decoder layer (`kimi.fsdp`, docs/architecture.md#fsdp),
 each compiled on its own. With one process the layers go through `kimi.compile_layers` (or, `--compile-scope model`,
 the whole model up to the head is one `torch.compile(fullgraph=True)` graph). The loss
-(`kimi.loss.token_loss_sum`, the head applied by vocabulary blocks) always runs eagerly.
+(`kimi.loss.token_loss_sum`, the head applied by vocabulary blocks) always runs eagerly. `--cp N`: context
+parallelism, each row's tokens split over the N processes, which hold the whole model (`kimi.cp`,
+docs/context_parallel.md).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch import Tensor
 import kimi
 from kimi import lora
 from kimi.config import ModelConfig
+from kimi.cp import ContextParallel, average_gradients
 from kimi.data import (DataError, Rows, Sampler, default_corpus, fit_documents, make_rows, read_documents,
                        split_documents)
 from kimi.fsdp import build_fsdp, gather, sharded_trainable_named
@@ -203,15 +206,24 @@ class TrainConfig:
     """Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)."""
     export: bool = True
     """Write the final model in the HF layout to `out`/model (LoRA merged)."""
+    cp: int = 1
+    """Context parallelism: each row's tokens are split over this many processes (`kimi.cp`; launch that many with
+    torchrun), which hold the whole model each. Data parallelism on top (more processes than --cp) is not
+    supported yet. --data.seq-len must split into --cp chunks (zigzag: 2 x --cp) of at least the short conv's
+    width minus one tokens."""
+    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
+    """With --cp: which tokens a process holds. zigzag: chunks r and 2N-1-r of 2N (balances the causal attention
+    and indexer work); contiguous: chunk r of N."""
 
 
 RESUME_MAY_CHANGE = frozenset({"steps", "stop_after", "log.every", "log.tensorboard", "log.plot_log_scale",
                                "eval_every", "eval_rows", "ckpt_every", "keep_checkpoints", "resume", "overwrite",
-                               "export", "max_bad_steps", "out", "activation_checkpointing"})
+                               "export", "max_bad_steps", "out", "activation_checkpointing", "cp", "cp_layout"})
 """Settings a --resume may change: when and what is logged, evaluated, saved and exported, how long the run goes
 (a longer --steps also stretches the learning-rate schedule from the resumed step on) and whether activations are
-recomputed (memory, not the math: eagerly the recompute is bit-identical). Every other change would make the
-resumed run differ from the run it continues, and is refused."""
+recomputed (memory, not the math: eagerly the recompute is bit-identical) and how a row's tokens are spread over
+processes (--cp: the same math up to rounding). Every other change would make the resumed run differ from the run
+it continues, and is refused."""
 
 
 PRESETS: dict[str, tuple[str, TrainConfig]] = {
@@ -266,6 +278,19 @@ def setup_distributed(device_arg: str) -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
+def setup_context_parallel(cfg: TrainConfig, world: int, device: torch.device) -> ContextParallel | None:
+    """--cp N: a ("dp", "cp") device mesh over the processes and the context over its "cp" dimension (None for
+    --cp 1). Data parallelism on top is refused for now: the FSDP units do not take the context yet."""
+    if cfg.cp == 1:
+        return None
+    if world != cfg.cp:
+        raise ValueError(f"--cp {cfg.cp} needs exactly {cfg.cp} processes (torchrun --nproc-per-node {cfg.cp}), got "
+                         f"{world}; context parallelism with data parallelism on top is not supported yet")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (world // cfg.cp, cfg.cp), mesh_dim_names=("dp", "cp"))
+    return ContextParallel.of_mesh(mesh, "cp", cfg.cp_layout)
+
+
 def build_model(cfg: TrainConfig, device: torch.device, compute: torch.dtype):
     """(model config, params, adapters, checkpoint folder or None). Full fine-tuning: fp32 master weights. LoRA:
     the base in the compute dtype, frozen; fp32 adapters. The indexer is frozen either way."""
@@ -301,6 +326,8 @@ def train(cfg: TrainConfig) -> dict:
     changes = runs.check(Path(cfg.out), run_config, resume=cfg.resume, overwrite=cfg.overwrite,
                          allowed=RESUME_MAY_CHANGE)     # before anything is loaded: a refused folder costs nothing
     rank, world, device = setup_distributed(cfg.device)
+    cp = setup_context_parallel(cfg, world, device)
+    dp = world // cfg.cp                   # data-parallel processes (each group of --cp shares its rows)
     is_main = rank == 0
     log = print if is_main else (lambda *a, **k: None)
     compute = to_dtype(("bfloat16" if device.type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype)
@@ -314,12 +341,14 @@ def train(cfg: TrainConfig) -> dict:
 
     # ------------------------------------------------------------------------------------------ model and data
     model_cfg, params, adapters, source = build_model(cfg, device, compute)
+    if cp is not None:      # the rows must split into chunks that hold the short convs' reach
+        cp.check_length(cfg.data.seq_len, model_cfg.linear_attn_config.short_conv_kernel_size - 1)
     tok = load_tokenizer(source, model_cfg)
     train_rows, eval_rows = build_data(cfg, tok, model_cfg)
-    accum = cfg.batch_size // (cfg.micro_batch_size * world)
-    if accum * cfg.micro_batch_size * world != cfg.batch_size:
+    accum = cfg.batch_size // (cfg.micro_batch_size * dp)
+    if accum * cfg.micro_batch_size * dp != cfg.batch_size:
         raise ValueError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size="
-                         f"{cfg.micro_batch_size} x {world} processes")
+                         f"{cfg.micro_batch_size} x {dp} data-parallel processes")
     if is_main:
         for w in degenerate_settings(cfg, len(train_rows)):
             print(f"warning: {w}", file=sys.stderr)
@@ -332,12 +361,17 @@ def train(cfg: TrainConfig) -> dict:
                    max_document_len=longest or None)
     named = trainable_named(params, adapters)
     n_params = sum(p.numel() for p in named.values())
-    tokens = cfg.micro_batch_size * cfg.data.seq_len
+    tokens = cfg.micro_batch_size * cfg.data.seq_len // cfg.cp
     recompute = cfg.activation_checkpointing == "layers" or (
-        cfg.activation_checkpointing == "auto" and world == 1 and
+        cfg.activation_checkpointing == "auto" and dp == 1 and
         recompute_wanted(model_cfg, tokens, device, trainable=n_params))
+    if cp is not None and cfg.activation_checkpointing == "auto":   # the same choice on every process
+        want = torch.tensor([recompute], dtype=torch.int32, device=device)
+        dist.all_reduce(want, op=dist.ReduceOp.MAX)
+        recompute = bool(want.item())
     root = None
-    if world > 1:   # the FSDP root's call is the micro-batch loss; the optimizer steps its sharded leaves
+    if world > 1 and cp is None:
+        # the FSDP root's call is the micro-batch loss; the optimizer steps its sharded leaves
         root = build_fsdp(params, adapters, **step_kw, compile_units=use_compile, recompute=recompute)
         named = sharded_trainable_named(root)
         micro_loss = root
@@ -349,9 +383,10 @@ def train(cfg: TrainConfig) -> dict:
                                 dtype=torch.int32, device=device)
             dist.all_reduce(want, op=dist.ReduceOp.MAX)
             recompute = root.ctx["recompute"] = bool(want.item())   # read by the layer units when they run
-    else:
-        micro_loss = functools.partial(make_loss(cfg.compile_scope if use_compile else None, recompute=recompute),
-                                       params, adapters, **step_kw)
+    else:   # replicated weights: one process, or the --cp processes of a row (their gradients averaged)
+        micro_loss = functools.partial(make_loss(cfg.compile_scope if use_compile else None, recompute=recompute,
+                                                 cp=cp), params, adapters, **step_kw)
+    reduce_grads = None if cp is None else functools.partial(average_gradients, group=cp.group)
     opt = adamw(named, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                 fused=device.type == "cuda")
     lr_of = functools.partial(lr_at, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
@@ -376,7 +411,8 @@ def train(cfg: TrainConfig) -> dict:
     log(f"model {cfg.model}: {kimi.param_count(model_cfg):,} parameters, training {n_params:,}"
         f"{f' (LoRA rank {cfg.lora.rank})' if cfg.lora.rank else ''} | {len(train_rows)} train rows, "
         f"{len(eval_rows)} eval rows of {cfg.data.seq_len} tokens, longest document {longest:,} | "
-        f"{world} process(es) on {device}, "
+        f"{world} process(es) on {device}"
+        f"{f' (context parallel over {cfg.cp}, {cfg.cp_layout})' if cp is not None else ''}, "
         f"{str(compute).removeprefix('torch.')} compute, compile {'on' if use_compile else 'off'}, "
         f"activation checkpointing {'layers' if recompute else 'none'}, grad accumulation {accum}")
 
@@ -391,6 +427,8 @@ def train(cfg: TrainConfig) -> dict:
                 b = rows.select(slice(i, i + cfg.micro_batch_size))
                 if len(b):
                     s = micro_loss(*_on(b, device))
+                    if cp is not None:      # each process has its tokens' share of the loss
+                        dist.all_reduce(s, group=cp.group)
                     total += torch.tensor([s.item(), (b.labels != IGNORE).sum().item()], dtype=torch.float64)
         return (total[0] / total[1]).item()
 
@@ -412,13 +450,13 @@ def train(cfg: TrainConfig) -> dict:
                 raise runs.Interrupted(stop.signum, f"{name} at step {step}: checkpoint saved in {out}; continue "
                                                     "with --resume")
             batch = train_rows.select(sampler.take(cfg.batch_size))
-            mine = batch.select(slice(rank * accum * mb, (rank + 1) * accum * mb))
+            mine = batch.select(slice(rank // cfg.cp * accum * mb, (rank // cfg.cp + 1) * accum * mb))
             for g in opt.param_groups:
                 g["lr"] = lr_of(step)
             micro = (_on(mine.select(slice(k * mb, (k + 1) * mb)), device) for k in range(accum))
             labels = int((batch.labels != IGNORE).sum())
             result = train_step(micro_loss, micro, opt, named.values(), label_tokens=labels, grad_clip=cfg.grad_clip,
-                                world=world)
+                                world=world, reduce_grads=reduce_grads)
             loss, gnorm = result.loss, result.grad_norm
             step += 1
             steps_run += 1
@@ -558,6 +596,8 @@ def _check(cfg: TrainConfig) -> None:
         problems.append(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     if cfg.lora.rank < 0:
         problems.append(f"lora.rank must be >= 0, got {cfg.lora.rank}")
+    if cfg.cp <= 0:
+        problems.append(f"cp must be positive, got {cfg.cp}")
     if cfg.warmup_steps < 0:
         problems.append(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
     if not cfg.lr > 0:

@@ -15,9 +15,11 @@ W conv width, N flattened tokens (B·T), Z latent expert width.
 from .cache import CacheError, clone_cache, init_cache, left_pad, mark_static, reset_cache
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import PRESETS, Backend, KDAConfig, ModelConfig, preset
+from .cp import ContextParallel, CPError
 from .model import compile_layers, compile_options, forward
 from .params import init_params, param_count, param_specs
 
-__all__ = ["Backend", "CacheError", "KDAConfig", "ModelConfig", "PRESETS", "clone_cache", "compile_layers",
-           "compile_options", "forward", "init_cache", "init_params", "left_pad", "load_checkpoint", "mark_static",
-           "param_count", "param_specs", "preset", "reset_cache", "save_checkpoint"]
+__all__ = ["Backend", "CPError", "CacheError", "ContextParallel", "KDAConfig", "ModelConfig", "PRESETS",
+           "clone_cache", "compile_layers", "compile_options", "forward", "init_cache", "init_params", "left_pad",
+           "load_checkpoint", "mark_static", "param_count", "param_specs", "preset", "reset_cache",
+           "save_checkpoint"]

@@ -67,9 +67,12 @@ def indexer_scores(p: dict, x: Tensor, q_resid: Tensor, cfg, ranges: KeyRanges) 
     return lightning_index.scores(*indexer_inputs(p, x, q_resid, cfg, ranges.positions()))
 
 
-def select_keys(p: dict, x: Tensor, q_resid: Tensor, cfg, ranges: KeyRanges, backend=None) -> Tensor:
+def select_keys(p: dict, x: Tensor, q_resid: Tensor, cfg, ranges: KeyRanges, backend=None, cp=None) -> Tensor:
     """The indexer of one gated-MLA layer without a cache: int32 [B, T, index_topk] selected key positions
-    (-1 padded), by `ops.indexer_topk` for `backend`."""
+    (-1 padded), by `ops.indexer_topk` for `backend`. `cp`: context parallelism (a `kimi.cp.Shard`): x holds
+    this rank's tokens and the keys of the whole rows are all-gathered; positions are global."""
     with torch.no_grad():
         q, k, w = indexer_inputs(p, x.detach(), q_resid.detach(), cfg, ranges.positions())
+        if cp is not None:
+            k = cp.gather(k)
         return ops.indexer_topk(q, k, w, ranges, topk=cfg.index_topk, backend=backend)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from . import cp as context_parallel
 from . import ops
 from .common import compute_dtype, linear
 
@@ -97,13 +98,16 @@ def short_conv_cached(x: Tensor, weight: Tensor, tail: Tensor, reset: Tensor) ->
 
 
 def kda_layer(p: dict, x: Tensor, cfg, backend, *, reset: Tensor | None = None, cache: dict | None = None,
-              step=None) -> Tensor:
+              step=None, cp: context_parallel.Shard | None = None) -> Tensor:
     """One KDA mixer. x [B, T, D] is the layer's normalized input; -> [B, T, D] in x.dtype. p is the layer's
     `self_attn` subtree (checkpoint names, kimi/params.py). reset [B, T] bool marks document starts: the convs and
     the recurrence restart there.
 
     With `cache` (this layer's dict from kimi/cache.py) and `step` (`cache.Step`), the convs and the recurrence
-    continue from the cached tails and state, restart at each row's start slot, and write the cache in place."""
+    continue from the cached tails and state, restart at each row's start slot, and write the cache in place.
+
+    With `cp` (context parallelism, kimi/cp.py) x holds this rank's tokens: the convs read their halos and the
+    recurrence starts each local chunk from the state the ranks before it leave (`kimi.cp.kda_core_cp`)."""
     la = cfg.linear_attn_config
     H, K = la.num_heads, la.head_dim
     T = x.shape[1]
@@ -121,6 +125,8 @@ def kda_layer(p: dict, x: Tensor, cfg, backend, *, reset: Tensor | None = None, 
                                            cache["state"], scale=K ** -0.5, eps=L2NORM_EPS)[:, None]
         return _output(p, x, o, cfg, heads)
     # All projections read the layer input x, not the conv outputs.
+    if cp is not None:
+        return _output(p, x, _kda_cp(p, x, g, beta, cfg, backend, cp, heads), cfg, heads)
     if cache is None:
         conv = lambda name: short_conv(linear(x, p[f"{name}_proj"]), p[f"{name}_conv1d"]["weight"], reset)
     else:
@@ -140,6 +146,19 @@ def kda_layer(p: dict, x: Tensor, cfg, backend, *, reset: Tensor | None = None, 
         o, S = ops.kda_core(q, k, v, g, beta, cache["state"], step.reset, scale=K ** -0.5, backend=backend, **bound)
         cache["state"].copy_(S)
     return _output(p, x, o, cfg, heads)
+
+
+def _kda_cp(p: dict, x: Tensor, g: Tensor, beta: Tensor, cfg, backend, cp, heads) -> Tensor:
+    """The convs and the core of a KDA layer under context parallelism: o [B, T/size, H, V]."""
+    la = cfg.linear_attn_config
+    W = la.short_conv_kernel_size
+
+    def conv(name):
+        window, reset = cp.with_halo(linear(x, p[f"{name}_proj"]), W - 1)
+        return cp.unchunked(short_conv(window, p[f"{name}_conv1d"]["weight"], reset)[:, W - 1:])
+    q, k, v = (heads(conv(name)) for name in ("q", "k", "v"))
+    return context_parallel.kda_core_cp(l2norm(q), l2norm(k), v, g, beta, cp, scale=la.head_dim ** -0.5,
+                                        backend=backend, gate_lower_bound=la.gate_lower_bound)
 
 
 def _output(p: dict, x: Tensor, o: Tensor, cfg, heads) -> Tensor:

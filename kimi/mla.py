@@ -25,7 +25,7 @@ from .ranges import KeyRanges
 
 
 def gated_mla(p: dict, x: Tensor, cfg, backend, *, ranges: KeyRanges, cache: dict | None = None,
-              step=None) -> Tensor:
+              step=None, cp=None) -> Tensor:
     """One gated-MLA layer (with its indexer when `cfg.has_indexer`). x [B, T, D] normalized -> [B, T, D].
 
     Args:
@@ -35,6 +35,8 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, ranges: KeyRanges, cache: dic
         cache, step: this layer's cache dict and the call's `cache.Step` (kimi/cache.py). The new tokens' latents
             [c ; k_r] and indexer keys are written at step.slots; queries then select and attend within their
             ranges over all cache slots (docs/architecture.md#decode-cache).
+        cp: context parallelism (a `kimi.cp.Shard`): x holds this rank's tokens, `ranges` their candidates among
+            the whole rows' keys, whose latents and indexer keys are all-gathered.
     """
     H = cfg.num_attention_heads
     if cfg.q_lora_rank is None:
@@ -49,7 +51,9 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, ranges: KeyRanges, cache: dic
     topk_idx = None
     if cache is None:
         if select:
-            topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, ranges, backend)
+            topk_idx = indexer.select_keys(p["indexer"], x, q_resid, cfg, ranges, backend, cp=cp)
+        if cp is not None:
+            latent = cp.gather(latent)                        # [B, S, R + d_r]: every key of the rows
     else:
         slots = step.slots
         cache["kv"].index_copy_(1, slots, latent)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from . import kda, mla, moe
 from .cache import CacheError, Step, check_cache, step_positions
+from .cp import ContextParallel, CPError, Shard
 from .common import compute_dtype, host_checks, rms_norm
 from .config import Backend, ModelConfig
 from .ranges import KeyRanges, document_ranges
@@ -66,21 +67,21 @@ def layer_plan(cfg: ModelConfig, i: int) -> tuple[str, bool, bool]:
 
 def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bool, bool], cfg: ModelConfig,
                backend: Backend, *, ranges: KeyRanges, reset: Tensor | None, cache: dict | None = None,
-               step: Step | None = None) -> tuple[Tensor, list[Tensor] | Tensor]:
+               step: Step | None = None, cp: Shard | None = None) -> tuple[Tensor, list[Tensor] | Tensor]:
     """Decoder layer with plan `layer_plan(cfg, i)`. h [B, T, D] is the layer input (the current block's partial
     sum), R the closed attention-residual entries; returns (h', R'). The plan, not the index, selects the code, so
     one compiled graph serves every layer with the same plan (`compile_layers`). R is a list, or (in
     `compile_layers`) one stacked [n, B, T, D] tensor; it is returned in the same form. cache: this layer's cache
     dict (kimi/cache.py), step: where the new tokens sit. ranges: the gated-MLA queries' candidate keys
-    (kimi/ranges.py)."""
+    (kimi/ranges.py). cp: this rank's part of the batch under context parallelism (kimi/cp.py)."""
     kind, is_moe, opens_block = plan
     eps = cfg.rms_norm_eps
 
     def attn(a_in):
         a = rms_norm(a_in, p["input_layernorm"], eps)
         if kind == "kda":
-            return kda.kda_layer(p["self_attn"], a, cfg, backend, reset=reset, cache=cache, step=step)
-        return mla.gated_mla(p["self_attn"], a, cfg, backend, ranges=ranges, cache=cache, step=step)
+            return kda.kda_layer(p["self_attn"], a, cfg, backend, reset=reset, cache=cache, step=step, cp=cp)
+        return mla.gated_mla(p["self_attn"], a, cfg, backend, ranges=ranges, cache=cache, step=step, cp=cp)
 
     def ffn(m_in):
         m = rms_norm(m_in, p["post_attention_layernorm"], eps)
@@ -103,7 +104,8 @@ def layer_step(p: dict, h: Tensor, R: list[Tensor] | Tensor, plan: tuple[str, bo
 
 def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
             document_ids: Tensor | None = None, max_document_len: int | None = None, cache: dict | None = None,
-            head: bool = True, layer: Callable | None = None) -> Tensor | tuple[Tensor, dict]:
+            head: bool = True, layer: Callable | None = None,
+            cp: ContextParallel | None = None) -> Tensor | tuple[Tensor, dict]:
     """Logits [B, T, V] (in the parameters' dtype) for input_ids [B, T] (int).
 
     Args:
@@ -126,15 +128,22 @@ def forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backe
             applies the head itself (`kimi.loss.token_loss_sum` never holds the [B, T, V] logits).
         layer: runs one decoder layer, `layer(p, h, R, plan, cfg, backend, ranges=, reset=, cache=, step=) -> (h, R)`
             with the signature of `layer_step` (the default). `p` is `params["model"]["layers"][i]` as given, never
-            looked into here: a wrapper may put its own objects there (the FSDP units of `kimi.fsdp` do).
+            looked into here: a wrapper may put its own objects there (the FSDP units of `kimi.fsdp` do). Under
+            context parallelism it is also given `cp=` (a `kimi.cp.Shard`).
+        cp: context parallelism (`kimi.cp.ContextParallel`): input_ids and document_ids are this rank's tokens of
+            each row in the context's layout (`cp.shard` of the whole rows; every rank the same shape), and so are
+            the logits. Every rank of the group must make the same call. `max_document_len` bounds the whole rows'
+            documents. Not with a cache (docs/context_parallel.md).
     """
     layer = layer or layer_step
     if cache is not None:
+        if cp is not None:
+            raise CPError("context parallelism runs whole sequences without a cache; decode without cp=")
         with torch.no_grad():
             return _forward(params, input_ids, config, backend, document_ids=document_ids,
                             max_document_len=max_document_len, cache=cache, layer=layer)
     return _forward(params, input_ids, config, backend, document_ids=document_ids,
-                    max_document_len=max_document_len, cache=None, head=head, layer=layer)
+                    max_document_len=max_document_len, cache=None, head=head, layer=layer, cp=cp)
 
 
 def recomputed(layer: Callable = layer_step) -> Callable:
@@ -187,11 +196,13 @@ def compile_layers(*, layer: Callable = layer_step, **compile_kwargs) -> Callabl
 
     def regional_forward(params: dict, input_ids: Tensor, config: ModelConfig, backend: Backend | None = None, *,
                          document_ids: Tensor | None = None, max_document_len: int | None = None,
-                         cache: dict | None = None, head: bool = True):
+                         cache: dict | None = None, head: bool = True, cp: ContextParallel | None = None):
+        if cache is not None and cp is not None:
+            raise CPError("context parallelism runs whole sequences without a cache; decode without cp=")
         with torch.no_grad() if cache is not None else contextlib.nullcontext():
             return _forward(params, input_ids, config, backend, document_ids=document_ids,
                             max_document_len=max_document_len, cache=cache, layer=layer, stacked=True,
-                            head=head or cache is not None)
+                            head=head or cache is not None, cp=cp)
 
     regional_forward.__doc__ = "`kimi.forward` (without `layer=`) with its decoder layers compiled per plan."
     return regional_forward
@@ -227,7 +238,7 @@ def _torch_version() -> tuple[int, int]:
 
 
 def _forward(params, input_ids, config, backend, *, document_ids, cache, max_document_len=None, layer=layer_step,
-             stacked=False, head=True):
+             stacked=False, head=True, cp=None):
     backend = backend or DEFAULT_BACKEND
     cfg = config
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -238,9 +249,10 @@ def _forward(params, input_ids, config, backend, *, document_ids, cache, max_doc
             raise ValueError(f"max_document_len must be a positive integer, got {max_document_len!r}")
         if cache is not None:
             raise CacheError("max_document_len bounds packed documents, which a cache does not take")
-        if document_ids is None and max_document_len < input_ids.shape[1]:
+        row = input_ids.shape[1] * (1 if cp is None else cp.size)
+        if document_ids is None and max_document_len < row:
             raise ValueError(f"max_document_len={max_document_len}, but without document_ids each row is one "
-                             f"document of {input_ids.shape[1]} tokens")
+                             f"document of {row} tokens")
     step = None
     if cache is not None:
         if document_ids is not None:
@@ -262,16 +274,23 @@ def _forward(params, input_ids, config, backend, *, document_ids, cache, max_doc
         if cfg.has_indexer and span is not None:
             # With an indexer only "every document fits in index_topk" matters: other bounds map to T, one graph.
             span = cfg.index_topk if span <= cfg.index_topk else None
-        ranges = document_ranges(document_ids, span)
-        reset = document_resets(document_ids)
+        if cp is None:
+            ranges = document_ranges(document_ids, span)
+            reset = document_resets(document_ids)
+        else:   # the whole rows' documents, then this rank's view of them
+            cp.check_length(input_ids.shape[1] * cp.size)
+            whole = cp.gather(document_ids)
+            shard = cp.batch(document_ranges(whole, span), document_resets(whole))
+            ranges, reset = shard.ranges, shard.reset
     else:
         ranges, reset = step.ranges, None
+    extra = {} if cp is None else {"cp": shard}
     m = params["model"]
     h = torch.nn.functional.embedding(input_ids, m["embed_tokens"]["weight"])
     R: list[Tensor] | Tensor = h.new_empty(0, *h.shape) if stacked else []
     for i, p in enumerate(m["layers"]):
         h, R = layer(p, h, R, layer_plan(cfg, i), cfg, backend, ranges=ranges, reset=reset,
-                     cache=None if cache is None else cache["layers"][i], step=step)
+                     cache=None if cache is None else cache["layers"][i], step=step, **extra)
     if cfg.attn_res_block_size is not None:
         h = attn_res_mix(h, R, m["output_attn_res_norm"], m["output_attn_res_proj"], cfg.rms_norm_eps)
     h = rms_norm(h, m["norm"], cfg.rms_norm_eps)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from . import lora, model
 from .config import Backend, ModelConfig
+from .cp import ContextParallel
 from .loss import token_loss_sum
 from .model import compile_layers, compile_options, head_weight, layer_step, recomputed
 from .params import param_count, param_specs, tree_items, tree_map
@@ -105,33 +106,42 @@ class _MasterCast(torch.autograd.Function):
 def hidden_states(params, adapters, input_ids: Tensor, document_ids: Tensor, *, cfg: ModelConfig,
                   backend: Backend, dtype: torch.dtype, fp32_paths: frozenset[str], lora_scale: float,
                   max_document_len: int | None = None, forward: Callable = model.forward,
-                  cast: Callable = cast_tree) -> tuple[Tensor, Tensor]:
+                  cast: Callable = cast_tree, cp: ContextParallel | None = None) -> tuple[Tensor, Tensor]:
     """The model up to the head: the final norm's output [B, T, D] and the head's weight [V, D], both in the compute
     dtype (adapters merged). `max_document_len`: the data's longest document, as `kimi.forward` takes it.
     `forward`: `kimi.forward` or a compiled variant (`kimi.compile_layers(...)`); `cast`: `cast_tree` or
-    `compiled_cast()`."""
+    `compiled_cast()`. `cp`: context parallelism, as `kimi.forward` takes it (the inputs are this rank's tokens)."""
     tree = lora.apply(params, adapters, lora_scale) if adapters else params
     tree = cast(tree, dtype, fp32_paths)
     h = forward(tree, input_ids, cfg, backend, document_ids=document_ids, max_document_len=max_document_len,
-                head=False)
+                head=False, **({} if cp is None else {"cp": cp}))
     return h, head_weight(tree, cfg)
 
 
 def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: Tensor, *, hidden=hidden_states,
-             keep_logits: int = 1 << 30, **kw) -> Tensor:
-    """The single-process training objective: summed label-token loss of one micro-batch (input_ids, labels,
-    document_ids [B, T]). `hidden`: `hidden_states` or a compiled variant; `keep_logits` as `token_loss_sum`'s;
-    other keywords as `hidden_states`'. The loss itself runs eagerly: inside a compiled graph AOTAutograd would
-    merge `_HeadCrossEntropy`'s block matmuls (and recomputed ones) with the rest of the graph."""
+             keep_logits: int = 1 << 30, cp: ContextParallel | None = None, **kw) -> Tensor:
+    """The training objective: summed label-token loss of one micro-batch (input_ids, labels, document_ids
+    [B, T]). `hidden`: `hidden_states` or a compiled variant; `keep_logits` as `token_loss_sum`'s; other keywords
+    as `hidden_states`'. The loss itself runs eagerly: inside a compiled graph AOTAutograd would merge
+    `_HeadCrossEntropy`'s block matmuls (and recomputed ones) with the rest of the graph.
+
+    `cp`: context parallelism (kimi/cp.py). The micro-batch holds whole rows, each rank runs its tokens of them
+    (`cp.shard`; the labels are already the next tokens, so a chunk's last label is the next chunk's first token)
+    and returns the loss of those: the sum over the group's ranks is the rows' loss."""
+    if cp is not None:
+        input_ids, labels, document_ids = (cp.shard(t) for t in (input_ids, labels, document_ids))
+        kw["cp"] = cp
     h, head = hidden(params, adapters, input_ids, document_ids, **kw)
     return token_loss_sum(h, head, labels, keep_logits=keep_logits)
 
 
-def make_loss(compile_scope: str | None = None, *, recompute: bool = False, master_cast: bool = True):
-    """`loss_sum` as train.py runs it in one process. `compile_scope`: None runs eagerly; "layers" compiles per
-    distinct layer (embedding and output mix eager, the weight casts `compiled_cast`'s, or `cast_tree`'s without
-    `master_cast`); "model" compiles everything up to the head as one fullgraph. The loss stays eager either way.
-    `recompute`: activation checkpointing, every decoder layer recomputed in the backward (`kimi.model.recomputed`)."""
+def make_loss(compile_scope: str | None = None, *, recompute: bool = False, master_cast: bool = True,
+              cp: ContextParallel | None = None):
+    """`loss_sum` as train.py runs it with replicated weights (one process, or context parallelism: `cp`).
+    `compile_scope`: None runs eagerly; "layers" compiles per distinct layer (embedding and output mix eager, the
+    weight casts `compiled_cast`'s, or `cast_tree`'s without `master_cast`); "model" compiles everything up to the
+    head as one fullgraph. The loss stays eager either way. `recompute`: activation checkpointing, every decoder
+    layer recomputed in the backward (`kimi.model.recomputed`)."""
     layer = recomputed() if recompute else layer_step
     forward = functools.partial(model.forward, layer=layer) if recompute else model.forward
     if compile_scope is None:
@@ -143,7 +153,7 @@ def make_loss(compile_scope: str | None = None, *, recompute: bool = False, mast
                                    cast=compiled_cast() if master_cast else cast_tree)
     else:
         raise ValueError(f"compile_scope must be None, 'layers' or 'model', got {compile_scope!r}")
-    return functools.partial(loss_sum, hidden=hidden)
+    return functools.partial(loss_sum, hidden=hidden, cp=cp)
 
 
 ACTIVATION_BYTES = 220
@@ -183,15 +193,17 @@ class StepResult:
 
 def train_step(micro_loss: Callable[[Tensor, Tensor, Tensor], Tensor],
                micro_batches: Iterable[tuple[Tensor, Tensor, Tensor]], opt: torch.optim.Optimizer,
-               params: Iterable[Tensor], *, label_tokens: int, grad_clip: float, world: int = 1) -> StepResult:
+               params: Iterable[Tensor], *, label_tokens: int, grad_clip: float, world: int = 1,
+               reduce_grads: Callable[[list[Tensor]], None] | None = None) -> StepResult:
     """One optimizer step over this process's micro-batches (input_ids, labels, document_ids, each [B, T]).
 
     `micro_loss(input_ids, labels, document_ids)` returns a micro-batch's summed label-token loss; each is
     backpropagated scaled by 1 / `label_tokens`, the label tokens of the whole global batch (every process), so the
     gradient is the global batch's mean whatever the accumulation count (docs/numerics.md#loss). With `world`
-    processes FSDP averages the gradients, and the factor `world` turns that average into the sum. Then the
-    gradient norm of `params` (the trained leaves), the step clipped to `grad_clip` (`clipped_step`) when the loss
-    and the norm are finite, and the gradients are dropped."""
+    processes FSDP averages the gradients, and the factor `world` turns that average into the sum; weights that FSDP
+    does not hold (context parallelism's replicated ones) are averaged by `reduce_grads(params)` after the last
+    backward (`kimi.cp.average_gradients`). Then the gradient norm of `params` (the trained leaves), the step
+    clipped to `grad_clip` (`clipped_step`) when the loss and the norm are finite, and the gradients are dropped."""
     total = None
     for input_ids, labels, document_ids in micro_batches:
         s = micro_loss(input_ids, labels, document_ids)
@@ -202,6 +214,9 @@ def train_step(micro_loss: Callable[[Tensor, Tensor, Tensor], Tensor],
     if world > 1:
         dist.all_reduce(total)
     loss = (total / max(label_tokens, 1)).item()
+    params = list(params)
+    if reduce_grads is not None:
+        reduce_grads(params)
     grads = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
     result = StepResult(loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
