@@ -50,7 +50,7 @@ from torch import Tensor
 import kimi
 from kimi import lora
 from kimi.config import ModelConfig
-from kimi.cp import ContextParallel, average_gradients
+from kimi.cp import ContextParallel
 from kimi.data import (DataError, Rows, Sampler, default_corpus, fit_documents, make_rows, read_documents,
                        split_documents)
 from kimi.fsdp import build_fsdp, gather, sharded_trainable_named
@@ -207,10 +207,10 @@ class TrainConfig:
     export: bool = True
     """Write the final model in the HF layout to `out`/model (LoRA merged)."""
     cp: int = 1
-    """Context parallelism: each row's tokens are split over this many processes (`kimi.cp`; launch that many with
-    torchrun), which hold the whole model each. Data parallelism on top (more processes than --cp) is not
-    supported yet. --data.seq-len must split into --cp chunks (zigzag: 2 x --cp) of at least the short conv's
-    width minus one tokens."""
+    """Context parallelism: each row's tokens are split over this many processes (`kimi.cp`); with more processes
+    (torchrun), each group of --cp consecutive ranks shares its rows and the groups are data parallel; the weights
+    are sharded over all processes (FSDP2). --data.seq-len must split into --cp chunks (zigzag: 2 x --cp) of at
+    least the short conv's width minus one tokens."""
     cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
     """With --cp: which tokens a process holds. zigzag: chunks r and 2N-1-r of 2N (balances the causal attention
     and indexer work); contiguous: chunk r of N."""
@@ -279,13 +279,13 @@ def setup_distributed(device_arg: str) -> tuple[int, int, torch.device]:
 
 
 def setup_context_parallel(cfg: TrainConfig, world: int, device: torch.device) -> ContextParallel | None:
-    """--cp N: a ("dp", "cp") device mesh over the processes and the context over its "cp" dimension (None for
-    --cp 1). Data parallelism on top is refused for now: the FSDP units do not take the context yet."""
+    """--cp N: a ("dp", "cp") device mesh over the processes (world / N data-parallel groups of N consecutive
+    ranks) and the context over its "cp" dimension (None for --cp 1)."""
     if cfg.cp == 1:
         return None
-    if world != cfg.cp:
-        raise ValueError(f"--cp {cfg.cp} needs exactly {cfg.cp} processes (torchrun --nproc-per-node {cfg.cp}), got "
-                         f"{world}; context parallelism with data parallelism on top is not supported yet")
+    if world % cfg.cp:
+        raise ValueError(f"--cp {cfg.cp} needs a multiple of {cfg.cp} processes (torchrun --nproc-per-node), got "
+                         f"{world}")
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world // cfg.cp, cfg.cp), mesh_dim_names=("dp", "cp"))
     return ContextParallel.of_mesh(mesh, "cp", cfg.cp_layout)
@@ -363,16 +363,13 @@ def train(cfg: TrainConfig) -> dict:
     n_params = sum(p.numel() for p in named.values())
     tokens = cfg.micro_batch_size * cfg.data.seq_len // cfg.cp
     recompute = cfg.activation_checkpointing == "layers" or (
-        cfg.activation_checkpointing == "auto" and dp == 1 and
+        cfg.activation_checkpointing == "auto" and world == 1 and
         recompute_wanted(model_cfg, tokens, device, trainable=n_params))
-    if cp is not None and cfg.activation_checkpointing == "auto":   # the same choice on every process
-        want = torch.tensor([recompute], dtype=torch.int32, device=device)
-        dist.all_reduce(want, op=dist.ReduceOp.MAX)
-        recompute = bool(want.item())
     root = None
-    if world > 1 and cp is None:
-        # the FSDP root's call is the micro-batch loss; the optimizer steps its sharded leaves
-        root = build_fsdp(params, adapters, **step_kw, compile_units=use_compile, recompute=recompute)
+    if world > 1:
+        # the FSDP root's call is the micro-batch loss (under --cp: its tokens' share of the rows); the optimizer
+        # steps its sharded leaves
+        root = build_fsdp(params, adapters, **step_kw, compile_units=use_compile, recompute=recompute, cp=cp)
         named = sharded_trainable_named(root)
         micro_loss = root
         params = adapters = None          # the units hold the shards; the whole unsharded model is freed with this
@@ -383,10 +380,9 @@ def train(cfg: TrainConfig) -> dict:
                                 dtype=torch.int32, device=device)
             dist.all_reduce(want, op=dist.ReduceOp.MAX)
             recompute = root.ctx["recompute"] = bool(want.item())   # read by the layer units when they run
-    else:   # replicated weights: one process, or the --cp processes of a row (their gradients averaged)
-        micro_loss = functools.partial(make_loss(cfg.compile_scope if use_compile else None, recompute=recompute,
-                                                 cp=cp), params, adapters, **step_kw)
-    reduce_grads = None if cp is None else functools.partial(average_gradients, group=cp.group)
+    else:
+        micro_loss = functools.partial(make_loss(cfg.compile_scope if use_compile else None, recompute=recompute),
+                                       params, adapters, **step_kw)
     opt = adamw(named, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                 fused=device.type == "cuda")
     lr_of = functools.partial(lr_at, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
@@ -456,7 +452,7 @@ def train(cfg: TrainConfig) -> dict:
             micro = (_on(mine.select(slice(k * mb, (k + 1) * mb)), device) for k in range(accum))
             labels = int((batch.labels != IGNORE).sum())
             result = train_step(micro_loss, micro, opt, named.values(), label_tokens=labels, grad_clip=cfg.grad_clip,
-                                world=world, reduce_grads=reduce_grads)
+                                world=world)
             loss, gnorm = result.loss, result.grad_norm
             step += 1
             steps_run += 1

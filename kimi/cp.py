@@ -21,8 +21,9 @@ embedding, norms, attention residuals, MoE, head and loss are per token and run 
 
 Every collective is `torch.distributed`'s differentiable all-gather, whose backward reduce-scatters (sums) the
 gradients back to the rank that owns the tokens; the merge is plain autograd (each rank chains all chunks). A rank's
-parameter gradients are its share; their sum over the group is the one-process gradient (`average_gradients` for
-replicated weights, times the group size the training step folds into its loss scale).
+parameter gradients are its share; their sum over the group is the one-process gradient (train.py shards the
+weights over all processes with FSDP2, whose gradient average times the process count the training step folds into
+its loss scale is that sum).
 """
 
 from __future__ import annotations
@@ -221,23 +222,3 @@ def kda_core_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, shard:
     S = S.index_select(1, torch.tensor(shard.cp.chunks, device=q.device)).flatten(0, 1)
     o, _ = ops.kda_core(qc, kc, vc, gc, bc, S, rc, **kw)
     return shard.unchunked(o)
-
-
-# ---------------------------------------------------------------------------------------------- training
-
-def average_gradients(params, group) -> None:
-    """Average the gradients of weights replicated over `group` in place (one all-reduce per gradient dtype): the
-    data-parallel reduction for context-parallel ranks, whose gradients are each a share of the row's."""
-    size = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    if size == 1:
-        return
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))

@@ -57,18 +57,20 @@ class _Layer(_Unit):
     """One decoder layer: `kimi.model.layer_step` on the gathered subtree (its casts and adapters inside the
     recomputed region with activation checkpointing, so they are not kept either)."""
 
-    def forward(self, h: Tensor, R: list[Tensor], plan: tuple[str, bool, bool], ranges: KeyRanges, reset: Tensor):
+    def forward(self, h: Tensor, R: list[Tensor], plan: tuple[str, bool, bool], ranges: KeyRanges, reset: Tensor,
+                cp=None):
         c = self.ctx
         run = recomputed(self._step) if c["recompute"] else self._step
-        return run(None, h, list(R), plan, c["cfg"], c["backend"], ranges=ranges, reset=reset)
+        extra = {} if cp is None else {"cp": cp}
+        return run(None, h, list(R), plan, c["cfg"], c["backend"], ranges=ranges, reset=reset, **extra)
 
     def _step(self, _, h, R, plan, cfg, backend, **kwargs):
         return layer_step(self.subtree(), h, R, plan, cfg, backend, **kwargs)
 
 
-def _run_unit(unit: _Layer, h, R, plan, cfg, backend, *, ranges, reset, cache=None, step=None):
+def _run_unit(unit: _Layer, h, R, plan, cfg, backend, *, ranges, reset, cache=None, step=None, cp=None):
     """`kimi.forward`'s `layer=`: the tree's entry for layer i is its unit, called through its FSDP2 hooks."""
-    return unit(h, R, plan, ranges, reset)
+    return unit(h, R, plan, ranges, reset, cp)
 
 
 class _Root(_Unit):
@@ -80,22 +82,29 @@ class _Root(_Unit):
 
     def forward(self, input_ids: Tensor, labels: Tensor, document_ids: Tensor) -> Tensor:
         """The summed label-token loss of a micro-batch (each [B, T]; the arguments of `kimi.training.loss_sum`
-        after the trees). The head's weight is gathered only inside this call."""
+        after the trees). The head's weight is gathered only inside this call. Under context parallelism the
+        micro-batch holds whole rows and the loss is that of this rank's tokens (as `loss_sum(cp=)`)."""
         c = self.ctx
         tree = self.subtree()
         tree["model"]["layers"] = list(self.layers)
+        cp = c["cp"]
+        if cp is not None:
+            input_ids, labels, document_ids = (cp.shard(t) for t in (input_ids, labels, document_ids))
         h = model.forward(tree, input_ids, c["cfg"], c["backend"], document_ids=document_ids,
-                          max_document_len=c["max_document_len"], head=False, layer=_run_unit)
+                          max_document_len=c["max_document_len"], head=False, layer=_run_unit,
+                          **({} if cp is None else {"cp": cp}))
         return token_loss_sum(h, head_weight(tree, c["cfg"]), labels)
 
 
 def build_fsdp(params, adapters: dict, *, cfg: ModelConfig, backend: Backend, dtype, fp32_paths: frozenset[str],
                lora_scale: float, compile_units: bool, max_document_len: int | None = None,
-               recompute: bool = False) -> _Root:
+               recompute: bool = False, cp=None) -> _Root:
     """Shard the tree (and the adapters) over all processes: one FSDP2 unit per decoder layer, the root unit for the
     rest. Calling the root gives a micro-batch's summed loss, as `kimi.training.loss_sum` does in one process
     (`max_document_len` as `kimi.forward` takes it). `recompute`: activation checkpointing of every layer unit
-    (`kimi.model.recomputed`)."""
+    (`kimi.model.recomputed`). `cp`: context parallelism (`kimi.cp.ContextParallel` over a subgroup of the
+    processes, e.g. a mesh's "cp" dimension): the ranks of a group share each row; the weights stay sharded over
+    all processes, whose gradient average then covers data-parallel rows and context-parallel shares alike."""
     from torch.distributed.fsdp import fully_shard
 
     # A layer returns the attention-residual entries R, some of which are views; nothing here updates a unit's
@@ -103,7 +112,7 @@ def build_fsdp(params, adapters: dict, *, cfg: ModelConfig, backend: Backend, dt
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
     ctx = dict(cfg=cfg, backend=backend, dtype=dtype, fp32_paths=fp32_paths, lora_scale=lora_scale,
-               max_document_len=max_document_len, recompute=recompute)
+               max_document_len=max_document_len, recompute=recompute, cp=cp)
     flat = dict(tree_items(params))
     layers = []
     for i in range(len(params["model"]["layers"])):

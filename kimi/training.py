@@ -135,13 +135,11 @@ def loss_sum(params, adapters, input_ids: Tensor, labels: Tensor, document_ids: 
     return token_loss_sum(h, head, labels, keep_logits=keep_logits)
 
 
-def make_loss(compile_scope: str | None = None, *, recompute: bool = False, master_cast: bool = True,
-              cp: ContextParallel | None = None):
-    """`loss_sum` as train.py runs it with replicated weights (one process, or context parallelism: `cp`).
-    `compile_scope`: None runs eagerly; "layers" compiles per distinct layer (embedding and output mix eager, the
-    weight casts `compiled_cast`'s, or `cast_tree`'s without `master_cast`); "model" compiles everything up to the
-    head as one fullgraph. The loss stays eager either way. `recompute`: activation checkpointing, every decoder
-    layer recomputed in the backward (`kimi.model.recomputed`)."""
+def make_loss(compile_scope: str | None = None, *, recompute: bool = False, master_cast: bool = True):
+    """`loss_sum` as train.py runs it in one process. `compile_scope`: None runs eagerly; "layers" compiles per
+    distinct layer (embedding and output mix eager, the weight casts `compiled_cast`'s, or `cast_tree`'s without
+    `master_cast`); "model" compiles everything up to the head as one fullgraph. The loss stays eager either way.
+    `recompute`: activation checkpointing, every decoder layer recomputed in the backward (`kimi.model.recomputed`)."""
     layer = recomputed() if recompute else layer_step
     forward = functools.partial(model.forward, layer=layer) if recompute else model.forward
     if compile_scope is None:
@@ -153,7 +151,7 @@ def make_loss(compile_scope: str | None = None, *, recompute: bool = False, mast
                                    cast=compiled_cast() if master_cast else cast_tree)
     else:
         raise ValueError(f"compile_scope must be None, 'layers' or 'model', got {compile_scope!r}")
-    return functools.partial(loss_sum, hidden=hidden, cp=cp)
+    return functools.partial(loss_sum, hidden=hidden)
 
 
 ACTIVATION_BYTES = 220
@@ -193,16 +191,14 @@ class StepResult:
 
 def train_step(micro_loss: Callable[[Tensor, Tensor, Tensor], Tensor],
                micro_batches: Iterable[tuple[Tensor, Tensor, Tensor]], opt: torch.optim.Optimizer,
-               params: Iterable[Tensor], *, label_tokens: int, grad_clip: float, world: int = 1,
-               reduce_grads: Callable[[list[Tensor]], None] | None = None) -> StepResult:
+               params: Iterable[Tensor], *, label_tokens: int, grad_clip: float, world: int = 1) -> StepResult:
     """One optimizer step over this process's micro-batches (input_ids, labels, document_ids, each [B, T]).
 
     `micro_loss(input_ids, labels, document_ids)` returns a micro-batch's summed label-token loss; each is
     backpropagated scaled by 1 / `label_tokens`, the label tokens of the whole global batch (every process), so the
     gradient is the global batch's mean whatever the accumulation count (docs/numerics.md#loss). With `world`
-    processes FSDP averages the gradients, and the factor `world` turns that average into the sum; weights that FSDP
-    does not hold (context parallelism's replicated ones) are averaged by `reduce_grads(params)` after the last
-    backward (`kimi.cp.average_gradients`). Then the gradient norm of `params` (the trained leaves), the step
+    processes FSDP averages the gradients (of rows and, under context parallelism, of each row's shares), and the
+    factor `world` turns that average into the sum. Then the gradient norm of `params` (the trained leaves), the step
     clipped to `grad_clip` (`clipped_step`) when the loss and the norm are finite, and the gradients are dropped."""
     total = None
     for input_ids, labels, document_ids in micro_batches:
@@ -214,9 +210,6 @@ def train_step(micro_loss: Callable[[Tensor, Tensor, Tensor], Tensor],
     if world > 1:
         dist.all_reduce(total)
     loss = (total / max(label_tokens, 1)).item()
-    params = list(params)
-    if reduce_grads is not None:
-        reduce_grads(params)
     grads = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
     result = StepResult(loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
