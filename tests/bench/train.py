@@ -4,6 +4,11 @@ matmuls, the blockwise loss, fused AdamW, clipping) on one device, random weight
 
     python tests/bench/train.py                                  # one H200: K3.1 Pro widths, 4 layers, 8 experts
     python tests/bench/train.py --device cpu --preset tiny --batch 2 --seq 64 --steps 2
+    torchrun --nproc-per-node 2 tests/bench/train.py --seq 131072 --cp 2 --recompute   # context parallel, 2 GPUs
+
+Under torchrun the weights are sharded over the processes (FSDP2, train.py's several-GPU path) and `--cp N` splits
+each row over groups of N processes (`kimi.cp`, docs/context_parallel.md); tokens/s count the whole world's tokens,
+MFU divides by the world's peak, and peak memory is the most any one process allocated.
 
 The scaled preset (default `k3_1_pro`) keeps every per-layer width of the release (hidden 7168, 96 KDA heads x 128,
 96 MLA heads 128/64/128 with q/kv ranks 1536/512, expert width 3072 in latent 3584, 2 shared experts, top-16
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -45,15 +51,23 @@ from kimi.training import (adamw, fp32_paths, make_loss, model_flops_per_token, 
 
 def bench(a) -> list[dict]:
     """One row per accumulation count in `a.accum`, all after one compilation."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(a.device)
+    if world > 1:      # torchrun: FSDP2 over the processes, context parallelism inside groups of --cp
+        import torch.distributed as dist
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device.type == "cuda":
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if world % a.cp:
+        sys.exit(f"--cp {a.cp} needs a multiple of {a.cp} processes, got {world}")
     cfg = scaled(kimi.preset(a.preset), num_layers=a.layers, num_experts=a.experts)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     use_compile = a.compile if a.compile is not None else device.type == "cuda"
     torch.manual_seed(0)
     # fp32 master weights drawn on the device (fast for billions of parameters; the values only need to be sane)
     params = kimi.init_params(cfg, seed=0, dtype="float32", device=device, draw_on_device=True)
-    named = trainable_named(params, {})
-    opt = adamw(named, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=device.type == "cuda")
     backend = kimi.Backend(attn=a.attn, kda=a.kda, moe=a.moe, mla_form=a.mla_form, sparse_fwd=a.sparse_fwd)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if a.tf32 else "highest")
@@ -65,13 +79,31 @@ def bench(a) -> list[dict]:
     doc = (torch.arange(T, device=device) // doc_len).expand(B, T).contiguous()     # packed documents of doc_len
     step_kw = dict(cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(cfg), lora_scale=1.0,
                    max_document_len=doc_len if a.tell_lengths else None)
+    root = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from kimi.cp import ContextParallel
+        from kimi.fsdp import build_fsdp, sharded_trainable_named
+        cp = None
+        if a.cp > 1:
+            mesh = init_device_mesh(device.type, (world // a.cp, a.cp), mesh_dim_names=("dp", "cp"))
+            cp = ContextParallel.of_mesh(mesh, "cp", a.cp_layout)
+        root = build_fsdp(params, {}, **step_kw, compile_units=use_compile, recompute=a.recompute, cp=cp)
+        params = None
+        named = sharded_trainable_named(root)
+    else:
+        named = trainable_named(params, {})
+    opt = adamw(named, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=device.type == "cuda")
+    rows_world = world // a.cp             # data-parallel groups, each with its own rows of B x T
 
     def step(accum: int, keep_logits: int = 1 << 30):
         """train.py's optimizer step over `accum` micro-batches: the same one each time (only the timing matters)."""
         def micro_loss(*batch):
+            if root is not None:
+                return root(*batch)
             return fn(params, {}, *batch, **step_kw, keep_logits=keep_logits)
-        return train_step(micro_loss, [(ids, labels, doc)] * accum, opt, named.values(), label_tokens=accum * B * T,
-                          grad_clip=1.0)
+        return train_step(micro_loss, [(ids, labels, doc)] * accum, opt, named.values(),
+                          label_tokens=accum * B * T * rows_world, grad_clip=1.0, world=world)
 
     def sync():
         if device.type == "cuda":
@@ -106,19 +138,26 @@ def bench(a) -> list[dict]:
             sync()
             times.append(time.perf_counter() - t)
         step_s = statistics.median(times)
-        tps = accum * B * T / step_s
+        tps = accum * B * T * rows_world / step_s
+        peak_gb = math.nan
+        if device.type == "cuda":
+            peak_gb = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
+            if world > 1:
+                torch.distributed.all_reduce(peak_gb, op=torch.distributed.ReduceOp.MAX)
+            peak_gb = float(peak_gb)
         return dict(
             model=f"{a.preset} L{cfg.num_hidden_layers} E{cfg.num_experts} k{cfg.num_experts_per_token} "
-                  f"attn={a.attn}{'/' + a.sparse_fwd if a.attn == 'cudnn' else ''} kda={a.kda} moe={a.moe} cast={a.cast} tf32={'on' if a.tf32 else 'off'}"
+                  f"attn={a.attn}{'/' + a.sparse_fwd if a.attn == 'cudnn' else ''} kda={a.kda} moe={a.moe} "
+                  f"cast={a.cast} tf32={'on' if a.tf32 else 'off'}"
                   + (" recompute" if a.recompute else "")
+                  + (f" {world} processes" + (f" cp {a.cp} {a.cp_layout}" if a.cp > 1 else "") if world > 1 else "")
                   + (f" docs of {doc_len}{'' if a.tell_lengths else ' (length not passed)'}" if a.doc_len else ""),
             params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
             shape=f"{accum}x{B}x{T}" if accum > 1 else f"{B}x{T}",
             logits="kept" if B * T * V <= keep_logits else "recomputed",
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             compiled=use_compile, warm_s=warm_s, step_ms=step_s * 1e3, tps=tps, tflops=tps * flops / 1e12,
-            flops_per_token=flops, mfu=tps * flops / peak if peak else math.nan,
-            peak_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan)
+            flops_per_token=flops, mfu=tps * flops / (peak * world) if peak else math.nan, peak_gb=peak_gb)
 
     for accum in a.accum:
         # The accumulated fp32 gradients stay resident through the next micro-batches: where that no longer fits,
@@ -203,10 +242,15 @@ def main():
                          "--activation-checkpointing layers)")
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                     help="fp32 matmuls on TF32 tensor cores (train.py's --tf32)")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="under torchrun: context parallelism over groups of this many processes (train.py's --cp)")
+    ap.add_argument("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="then print the per-kernel GPU time of one step (CUDA)")
     a = ap.parse_args()
+    if int(os.environ.get("RANK", "0")):      # under torchrun the first process prints the tables
+        sys.stdout = open(os.devnull, "w")
     if min(a.accum) < 1:
         ap.error(f"--accum counts must be at least 1, got {a.accum}")
     if a.preset in ("k3", "k3_1_pro"):
