@@ -14,6 +14,9 @@ Tolerances (‖out − ref‖ / ‖ref‖ against float64 on the same, already r
 - bf16 inputs: 5e-3 for o and the state (the ratio fla's own chunk_kda tests use). The bf16 output itself is
   rounded (~1.7e-3 of the norm); the pairwise strips take bf16 operands (q·e^g rounded: ~2e-3 on Aqk), the solve
   and the state pass TF32 ones: measured o 2.0–2.6e-3, state 0.9–1.2e-3.
+- The "v2" forward (kda_triton.FORWARD / impl="v2") is held to the same tolerances on the same inputs; measured
+  fp32 o 1.4–4.6e-7 (v1 1.2–4.6e-7), bf16 o 2.5–3.1e-3 as v1's to within 1e-5; its bf16 scratch options in
+  test_v2_options.
 
 Backward (each of dq, dk, dv, dg, dβ, dh0 separately, loss Σ o·do + Σ S_N·dsN, same metric):
 - fp32 inputs: FP32_TOL (3e-6) for every gradient; measured ≤ 7.2e-7 over the forward cases, gates, with and
@@ -26,6 +29,8 @@ Backward (each of dq, dk, dv, dg, dβ, dh0 separately, loss Σ o·do + Σ S_N·d
   ~1e-3 of the norm), and the pairwise dots take bf16 operands (dAqk, dL and the anchored q, k), as in the
   forward.
 """
+
+import functools
 
 import pytest
 import torch
@@ -41,6 +46,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
 FP32_TOL, BF16_TOL = 3e-6, 5e-3
 GATES = ["bounded", "saturated", "near zero", "mixed"]
+IMPLS = ["v1", "v2"]   # kda_triton.FORWARD's choices: both forwards (and the backward's recomputes) are tested
 
 
 def _gate(kind, B, T, H, K, gen=None):
@@ -88,56 +94,72 @@ CASES = {   # name: (B, T, H, K, V, gate, reset positions per row, initial state
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_matches_float64_recurrence(case, dtype):
-    """o and the final state against the float64 recurrence on the same inputs, T not a multiple of the chunk, with
-    packed documents; for fp32 also no worse than 4x the traced fp32 `kda_chunk` (+1e-6)."""
+@functools.cache
+def _forward_case(case, dtype):
+    """Inputs of a forward case and their float64 (o, S) (for fp32 also `kda_chunk`'s), drawn once a session: the
+    two forwards are checked on the same inputs, and the recurrence (most of a case's time) runs once."""
     B, T, H, K, V, gate, pos, h0 = CASES[case]
     x = _inputs(B, T, H, K, V, gate, dtype, h0)
     reset = resets(B, T, pos) if pos else None
-    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset)
-    o, S = _call(kt.kda_chunk_fwd_triton, x, reset)
+    chunk = _call(delta_rule.kda_chunk, x, reset) if dtype == torch.float32 else None
+    return x, reset, _call(delta_rule.kda_recurrent, _f64(x), reset), chunk
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_matches_float64_recurrence(case, dtype, impl):
+    """o and the final state against the float64 recurrence on the same inputs, T not a multiple of the chunk, with
+    packed documents; for fp32 also no worse than 4x the traced fp32 `kda_chunk` (+1e-6)."""
+    B, T, H, K, V, gate, pos, h0 = CASES[case]
+    x, reset, (o_ref, S_ref), chunk = _forward_case(case, dtype)
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, impl=impl)
     assert o.dtype == dtype and o.shape == (B, T, H, V) and S.dtype == torch.float32 and S.shape == (B, H, K, V)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     assert rel_err(o.cpu(), o_ref) < tol and rel_err(S.cpu(), S_ref) < tol
     if dtype == torch.float32:
-        o_c, S_c = _call(delta_rule.kda_chunk, x, reset)
+        o_c, S_c = chunk
         assert rel_err(o.cpu(), o_ref) <= 4 * rel_err(o_c.cpu(), o_ref) + 1e-6
         assert rel_err(S.cpu(), S_ref) <= 4 * rel_err(S_c.cpu(), S_ref) + 1e-6
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_dim_128(dtype):
-    """The release's K = V = 128 (state blocks of 32 columns, key pieces of 64) at a tiny T, a document start
+def test_head_dim_128(dtype, impl):
+    """The release's K = V = 128 (several key and state-column blocks per program) at a tiny T, a document start
     inside the one short chunk."""
     x = _inputs(1, 40, 1, 128, 128, "bounded", dtype)
     reset = resets(1, 40, [[23]])
     o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset, scale=128 ** -0.5)
-    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, impl=impl)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     assert rel_err(o.cpu(), o_ref) < tol and rel_err(S.cpu(), S_ref) < tol
     if dtype == torch.bfloat16:   # the fast path really rounds its operands: not the fp32 run's result rounded
-        o32, S32 = _call(kt.kda_chunk_fwd_triton, {n: t.float() for n, t in x.items()}, reset, scale=128 ** -0.5)
+        o32, S32 = _call(kt.kda_chunk_fwd_triton, {n: t.float() for n, t in x.items()}, reset, scale=128 ** -0.5,
+                         impl=impl)
         assert not torch.equal(o, o32.to(dtype)) and not torch.equal(S, S32)
 
 
-def test_float16_at_saturated_gates():
-    """fp16 inputs with every gate at −5: the anchored diagonal factors reach e^{75}, past fp16's range, so the
-    pairwise dots take bf16 operands; o, the state and every gradient stay within the bf16 tolerances."""
-    x = _inputs(1, 40, 1, 32, 32, "saturated", torch.float16)
-    x["g"].requires_grad_()
-    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x))
-    o, S = _call(kt.kda_chunk_fwd_triton, x)
-    assert rel_err(o.cpu(), o_ref) < BF16_TOL and rel_err(S.cpu(), S_ref) < BF16_TOL
-    do = torch.randn_like(o)
-    grads = kt.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], None, do, None,
-                                    scale=0.25)
-    ref = {n: t.requires_grad_() for n, t in _f64(x).items()}
-    o64, _ = _call(delta_rule.kda_recurrent, ref)
-    want = torch.autograd.grad(o64, [ref[n] for n in ("q", "k", "v", "g", "beta", "initial_state")], do.double())
-    for name, got, w in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, want):
-        assert torch.isfinite(got).all() and rel_err(got.cpu(), w) < 8e-3, name
+def test_v2_options(monkeypatch):
+    """The "v2" forward's options (kda_triton.V2) at K = V = 128 in bf16, all four gate kinds as four heads, a
+    document start inside a chunk: each within the bf16 tolerance of the float64 recurrence (measured over six
+    seeds, against o 2.1e-3 / S 1.2e-3 with the fp32 defaults: 32 state columns the same; bf16 w, q̃, k̃
+    o ≤ 2.7e-3, S ≤ 2.0e-3; bf16 S_n o ≤ 2.6e-3; both o ≤ 3.1e-3), and the 16-bit copies really rounded."""
+    T = 80
+    xs = [_inputs(1, T, 1, 128, 128, gate, torch.bfloat16) for gate in GATES]
+    x = {n: torch.cat([t[n] for t in xs], dim=2 if n != "initial_state" else 1) for n in xs[0]}
+    reset = resets(1, T, [[23]])
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset, scale=128 ** -0.5)
+    monkeypatch.setitem(kt.V2, "state_block", 64)
+    o_32, _ = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, impl="v2")
+    for options in (dict(state_block=32), dict(scratch="16"), dict(states="16"), dict(scratch="16", states="16")):
+        with monkeypatch.context() as mp:
+            for name, value in options.items():
+                mp.setitem(kt.V2, name, value)
+            o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, impl="v2")
+        assert rel_err(o.cpu(), o_ref) < BF16_TOL and rel_err(S.cpu(), S_ref) < BF16_TOL, options
+        if "state_block" not in options:
+            assert not torch.equal(o, o_32), options
 
 
 @settings(max_examples=10, deadline=None)
@@ -145,22 +167,25 @@ def test_float16_at_saturated_gates():
        V=st.sampled_from([16, 20, 32]), chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES),
        h0=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_forward_any_shape(data, T, H, K, V, chunk_size, gate, h0, seed):
-    """Drawn lengths, widths (K, V not powers of two: masked pieces), chunk sizes, gates and document starts, fp32."""
+    """Drawn lengths, widths (K, V not powers of two: masked pieces), chunk sizes, gates and document starts, fp32,
+    both forwards against one reference."""
     x = _inputs(1, T, H, K, V, gate, h0=h0, seed=seed)
     reset = resets(1, T, [data.draw(st.lists(st.integers(0, T - 1), max_size=5))])
     o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset)
-    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, chunk_size=chunk_size)
-    assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(S.cpu(), S_ref) < FP32_TOL
+    for impl in IMPLS:
+        o, S = _call(kt.kda_chunk_fwd_triton, x, reset, chunk_size=chunk_size, impl=impl)
+        assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(S.cpu(), S_ref) < FP32_TOL, impl
 
 
-def test_intra_chunk_quantities():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_intra_chunk_quantities(impl):
     """`kda_intra_triton`'s w, u, q̃, k̃, d, Aqk and (I + L)⁻¹ against their definitions (kda_triton's docstring)
     in float64: pairwise exponentials over [C, C, K], the solve by `solve_triangular`, segments from the resets."""
     B, T, H, K, V, C = 1, 64, 2, 16, 24, 32
     x = _inputs(B, T, H, K, V, "bounded", h0=False)
     reset = resets(B, T, [[9, 32, 50]])
     got = kt.kda_intra_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], reset.to(DEVICE), scale=0.25,
-                              chunk_size=C, inverse=True)
+                              chunk_size=C, inverse=True, impl=impl)
     N = T // C
     q, k, v, g, beta = (t.cpu().double().transpose(1, 2).reshape(B * H, N, C, -1) for t in
                         (x["q"], x["k"], x["v"], x["g"], x["beta"][..., None]))
@@ -243,27 +268,31 @@ def test_backward_matches_float64_recurrence(case, dtype):
 
 
 def test_backward_head_dim_128():
-    """K = V = 128 in bf16 (several key and value blocks per program), a document start inside the short chunk."""
+    """K = V = 128 in bf16 (several key and value blocks per program), a document start inside the short chunk,
+    with either forward's recompute."""
     x = _inputs(1, 40, 1, 128, 128, "bounded", torch.bfloat16)
     reset = resets(1, 40, [[23]])
     do, dsN = _bwd_inputs(x, True)
     ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu(), 128 ** -0.5)
-    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset.to(DEVICE), do, dsN, scale=128 ** -0.5)
-    _check_grads(got, ref, x, BWD_BF16_TOL)
+    for impl in IMPLS:
+        got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset.to(DEVICE), do, dsN, scale=128 ** -0.5,
+                                      impl=impl)
+        _check_grads(got, ref, x, BWD_BF16_TOL)
 
 
 @settings(max_examples=6, deadline=None)
 @given(data=st.data(), T=st.integers(1, 100), K=st.sampled_from([16, 24, 40]), V=st.sampled_from([16, 20, 48]),
        chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES), h0=st.booleans(),
-       with_dsN=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_backward_any_shape(data, T, K, V, chunk_size, gate, h0, with_dsN, seed):
-    """Drawn lengths, widths (K, V of two blocks, the second masked), chunk sizes, gates, document starts, fp32."""
+       with_dsN=st.booleans(), seed=st.integers(0, 2**31 - 1), impl=st.sampled_from(IMPLS))
+def test_backward_any_shape(data, T, K, V, chunk_size, gate, h0, with_dsN, seed, impl):
+    """Drawn lengths, widths (K, V of two blocks, the second masked), chunk sizes, gates, document starts, fp32,
+    and the recompute's forward (`IMPLS`: its (I + L)⁻¹ is checked directly in test_intra_chunk_quantities)."""
     x = _inputs(1, T, 1, K, V, gate, h0=h0, seed=seed)
     reset = resets(1, T, [data.draw(st.lists(st.integers(0, T - 1), max_size=4))])
     do, dsN = _bwd_inputs(x, with_dsN, torch.Generator().manual_seed(seed))
     ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu() if dsN is not None else None, 0.25)
     got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset.to(DEVICE), do, dsN, scale=0.25,
-                                  chunk_size=chunk_size)
+                                  chunk_size=chunk_size, impl=impl)
     _check_grads(got, ref, x, FP32_TOL)
 
 

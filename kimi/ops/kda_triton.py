@@ -27,6 +27,19 @@ then w_a = (I + L_aa)⁻¹ (rhs_a − L_{a,<a} w_{<a}), the earlier rows read ba
 `_state_kernel`, one program per (sequence × head, block of state columns), carries its block of S through the
 chunks in fp32 registers and writes the outputs O directly.
 
+**Kernels, "v2"** (`FORWARD`, `V2`; impl="v2"). `_intra2_kernel` (same grid) computes the chunk's L and Aqk
+as whole [C, C] accumulators: per piece of key channels one pass builds q̃, k̃, d and, by blocks of BC rows
+(first row n_b, last m_b), f = g(n_b, r] and g(j, m_b] with one segmented cumsum each; for every anchor block a
+the key side k_j e^{g(j, n_a]} (earlier blocks: g(j, n_a] built up block by block as g(j, m_b] plus the gates
+between, all ≤ 0, so still a sum over exactly the tokens spanned) and k_j e^{−f_j} (block a) meets the rows of
+block a in one [C, C] dot. (I + L)⁻¹ then comes by doubling: with Mi inverting the diagonal blocks of size s
+and E the coupling of each 2s-block's halves, (D + E)⁻¹ = Mi − Mi E Mi exactly (block forward substitution), so
+log2(C) levels of two [C, C] dots replace the serial row loop; w = (I + L)⁻¹ R_w and u = (I + L)⁻¹ R_u are
+dots with it. The sequential pass (`_state_kernel` storing S_n and U_n, 64 state columns a program) carries only
+the state, and `_output_kernel`, one program per (chunk, sequence × head, column block), forms
+O_n = q̃_n S_n + Aqk_n U_n from the stored S_n in parallel. Scratch w, q̃, k̃ and the states may be bf16
+(`V2`); the backward recomputes with `_intra2_kernel` and fp32 scratch.
+
 **Gates.** The anchored diagonal block needs e^{−g(n_a, j]} to stay finite over 15 tokens: the kernels take the
 bounded gate of K3, g ∈ [−5, 0] (as FLA's `safe_gate`); unbounded softplus gates belong to `delta_rule.kda_chunk`.
 
@@ -258,7 +271,8 @@ if triton is not None:
         for n in range(N):
             rws = (bh * N + n) * C + c
             if STORE:
-                tl.store(h_ptr + ((bh * N + n) * K + kk[:, None]) * V + vv[None, :], S, mask=m_kv)
+                tl.store(h_ptr + ((bh * N + n) * K + kk[:, None]) * V + vv[None, :],
+                         _to16(S, h_ptr.dtype.element_ty, EMULATE), mask=m_kv)
             w = tl.load(w_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             U = -_dot(w, S, tl.zeros([C, BV], dtype=tl.float32), STATE, DT, EMULATE)
             if HAS_U:
@@ -457,6 +471,138 @@ if triton is not None:
             tl.store(dg_ptr + tok[:, None] * K + kk[None, :], _to16(dg, dg_ptr.dtype.element_ty, EMULATE), mask=m)
         tl.store(db_ptr + tok, _to16(db, db_ptr.dtype.element_ty, EMULATE), mask=valid)
 
+    # ------------------------------------------------------------------------------------------ forward "v2"
+
+    @triton.jit
+    def _row(x, rows, i):
+        """Row i of x [C, BK] as a [BK] vector."""
+        return tl.sum(tl.where(rows[:, None] == i, x, 0.0), 0)
+
+    @triton.jit
+    def _block_cumsum(x, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
+        """Inclusive sums of x [C, BK] down its rows (up them: REVERSE), restarting at every block of BC rows."""
+        return tl.reshape(tl.cumsum(tl.reshape(x, [C // BC, BC, BK]), 1, reverse=REVERSE), [C, BK])
+
+    @triton.jit
+    def _intra2_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr,
+                       M_ptr, T, H, K, V, N, scale,
+                       C: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       HAS_RESET: tl.constexpr, INVERSE: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr,
+                       DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (chunk n, row bh), layouts as _intra_kernel's; w, q̃, k̃ stored in their pointers' dtype, u fp32.
+        # Pass 1 (per key piece): the whole chunk's L and Aqk as [C, C] accumulators, one dot pair per anchor.
+        # Then (I + L)⁻¹ by doubling, and pass 2: w and u as dots with it.
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        rows = tl.arange(0, C)
+        t = n * C + rows
+        valid = t < T
+        tok = (b * T + t) * H + h
+        if HAS_RESET:
+            rst = tl.load(reset_ptr + b * T + t, mask=valid, other=0)
+        else:
+            rst = tl.zeros([C], dtype=tl.int32)
+        seg = tl.cumsum(rst, 0)
+        n_seg = tl.sum(rst, 0)
+        first = (seg == 0)[:, None]
+        last = (seg == n_seg)[:, None]
+        out = (bh * N + n) * C + rows
+        blk = (rows // BC)[:, None]
+        lr = (rows % BC)[:, None]
+        Akk = tl.zeros([C, C], dtype=tl.float32)
+        Aqk = tl.zeros([C, C], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = kk[None, :] < K
+            m = valid[:, None] & mk
+            g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            qd = tl.where(first, scale * q * tl.exp(tl.cumsum(g, 0)), 0.0)
+            kd = tl.where(last, kt * tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)
+            tl.store(qd_ptr + out[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
+            tl.store(kd_ptr + out[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
+            tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(tl.sum(g, 0)), 0.0), mask=kk < K)
+            # per block of BC rows (first row n_b, last m_b): f = g(n_b, r], tail = g(j, m_b]; sums of the gates
+            # they span, as every exponent below
+            f = _block_cumsum(tl.where(lr > 0, g, 0.0), C, BC, BK, False)
+            tail = _block_cumsum(g, C, BC, BK, True) - g
+            e = tl.exp(f)
+            qf = q * e                                               # queries of block a: e^{g(n_a, r]} ≤ 1
+            kf = kt * e
+            kb = kt * tl.exp(-f)                                     # keys of block a: e^{−g(n_a, j]} ≤ e^{75}
+            phi = tl.zeros([C, BK], dtype=tl.float32)                # g(j, n_a] for keys of earlier blocks
+            for a in tl.static_range(C // BC):
+                if a > 0:
+                    gn = _row(g, rows, a * BC)
+                    step = _row(f, rows, a * BC - 1) + gn            # g(n_{a−1}, n_a]
+                    phi = tl.where(blk < a - 1, phi + step[None, :], tl.where(blk == a - 1, tail + gn[None, :], 0.0))
+                k_an = tl.where(blk < a, kt * tl.exp(phi), tl.where(blk == a, kb, 0.0))
+                ina = blk == a
+                Akk = _dot(tl.where(ina, kf, 0.0), tl.trans(k_an), Akk, PAIR, DT, EMULATE)
+                Aqk = _dot(tl.where(ina, qf, 0.0), tl.trans(k_an), Aqk, PAIR, DT, EMULATE)
+        r2 = rows[:, None]
+        c2 = rows[None, :]
+        same = seg[:, None] == seg[None, :]
+        tl.store(A_ptr + out[:, None] * C + c2, tl.where(same & (c2 <= r2), Aqk * scale, 0.0))
+        beta = tl.load(beta_ptr + tok, mask=valid, other=0.0).to(tl.float32)
+        L = tl.where(same & (c2 < r2), Akk, 0.0) * beta[:, None]
+        # (I + L)⁻¹ by doubling: Mi inverts the diagonal blocks of size s; with E the coupling of each 2s-block's
+        # second half to its first, (D + E)⁻¹ = D⁻¹ − D⁻¹ E D⁻¹ exactly (block substitution), log2(C) levels
+        Mi = (r2 == c2).to(tl.float32)
+        z = tl.zeros([C, C], dtype=tl.float32)
+        for lvl in tl.static_range(LEVELS):
+            s = 1 << lvl
+            E = tl.where((r2 // (2 * s) == c2 // (2 * s)) & ((r2 // s) % 2 == 1) & ((c2 // s) % 2 == 0), L, 0.0)
+            Mi = Mi - _dot(Mi, _dot(E, Mi, z, SOLVE, DT, EMULATE), z, SOLVE, DT, EMULATE)
+        if INVERSE:
+            tl.store(M_ptr + out[:, None] * C + c2, Mi)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = kk[None, :] < K
+            m = valid[:, None] & mk
+            g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            rhs = tl.where(first, beta[:, None] * kt * tl.exp(tl.cumsum(g, 0)), 0.0)
+            w = _dot(Mi, rhs, tl.zeros([C, BK], dtype=tl.float32), SOLVE, DT, EMULATE)
+            tl.store(w_ptr + out[:, None] * K + kk[None, :], _to16(w, w_ptr.dtype.element_ty, EMULATE), mask=mk)
+        for v0 in range(0, V, BV):
+            vv = v0 + tl.arange(0, BV)
+            mv = vv[None, :] < V
+            v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
+            u = _dot(Mi, beta[:, None] * v, tl.zeros([C, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
+            tl.store(u_ptr + out[:, None] * V + vv[None, :], u, mask=mv)
+
+    @triton.jit
+    def _output_kernel(qd_ptr, A_ptr, U_ptr, h_ptr, o_ptr, T, H, K, V, N, C: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (chunk n, row bh, block of BV output columns): O_n = q̃_n S_n + Aqk_n U_n from the state pass's
+        # S_n (h [B·H, N, K, V]) and U_n; chunk-parallel.
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        c = tl.arange(0, C)
+        vv = tl.program_id(2) * BV + tl.arange(0, BV)
+        mv = vv < V
+        rws = (bh * N + n) * C + c
+        o = tl.zeros([C, BV], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = kk < K
+            qd = tl.load(qd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
+            S = tl.load(h_ptr + ((bh * N + n) * K + kk[:, None]) * V + vv[None, :], mask=mk[:, None] & mv[None, :],
+                        other=0.0)
+            o = _dot(qd, S, o, STATE, DT, EMULATE)
+        A = tl.load(A_ptr + rws[:, None] * C + c[None, :])
+        U = tl.load(U_ptr + rws[:, None] * V + vv[None, :], mask=mv[None, :], other=0.0)
+        o = _dot(A, U, o, STATE, DT, EMULATE)
+        t = n * C + c
+        tl.store(o_ptr + ((b * T + t) * H + h)[:, None] * V + vv[None, :], _to16(o, o_ptr.dtype.element_ty, EMULATE),
+                 mask=(t < T)[:, None] & mv[None, :])
+
 _DT16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -471,7 +617,7 @@ def intra_config(C: int, K: int, V: int) -> dict:
     return dict(BK=BK, BV=BV, num_warps=8 if max(BK, BV) >= 64 else 4, num_stages=2)
 
 
-def state_config(K: int, V: int, ieee: bool) -> dict:
+def state_config(K: int, V: int, ieee: bool, block_v: int | None = None) -> dict:
     """The state pass's launch config: the whole key dim, state columns in blocks (32 at K = 128: a [128, 32]
     fp32 state is 32 registers a thread at 4 warps). One stage at K = 128: pipelined, the fp32 [C, K] tiles it
     reads per chunk need more shared memory than Hopper has (385 KB at three stages, 262 KB at two). IEEE dots
@@ -480,7 +626,28 @@ def state_config(K: int, V: int, ieee: bool) -> dict:
     BK = _pow2(K)
     if ieee and BK > 64:
         return dict(BK=BK, BV=min(_pow2(V), 16), num_warps=8, num_stages=1)
+    if block_v is not None:   # "v2" (V2["state_block"]): the pass stores S_n and U_n and leaves O to _output_kernel
+        # 4 warps at 64 columns: 255 registers (8 B of spills), so two programs an SM and K3's 192 in one wave
+        return dict(BK=BK, BV=min(_pow2(V), block_v), num_warps=4, num_stages=1)
     return dict(BK=BK, BV=min(_pow2(V), 64 if BK <= 64 else 32), num_warps=4, num_stages=2 if BK <= 64 else 1)
+
+
+def intra2_config(C: int, K: int, V: int, ieee: bool) -> dict:
+    """The "v2" intra-chunk kernel's launch config: key channels in pieces of 32 (16 for IEEE dots, whose operands
+    sit in registers; pass 1 keeps about ten [C, BK] fp32 tiles live beside the [C, C] accumulators), value
+    channels in pieces of 64, 8 warps at C = 64 (sm_90 offline compile at K = V = 128: bf16 250 registers and no
+    spills, against 160 B a thread at 4 warps; fp32 0.75 KB of spills)."""
+    return dict(BK=min(_pow2(K), 16 if ieee else 32), BV=min(_pow2(V), 64), num_warps=8 if C >= 64 else 4,
+                num_stages=1)
+
+
+def output_config(K: int, V: int, ieee: bool) -> dict:
+    """The "v2" output kernel's launch config: up to 128 output columns a program (q̃ and Aqk read once a chunk),
+    the key dim in pieces of 64, 8 warps, two stages (sm_90 offline compile at K = V = 128: 76 registers, 96 KB of
+    shared memory); IEEE dots 64 columns and key pieces of 32 (no spills)."""
+    if ieee:
+        return dict(BK=min(_pow2(K), 32), BV=min(_pow2(V), 64), num_warps=8, num_stages=2)
+    return dict(BK=min(_pow2(K), 64), BV=min(_pow2(V), 128), num_warps=8, num_stages=2)
 
 
 def intra_bwd_config(C: int, K: int, V: int) -> dict:
@@ -527,6 +694,25 @@ PRECISION = {"pair": "16", "solve": "tf32", "state": "tf32"}
 Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dtype), "tf32" or "ieee"."""
 
 
+FORWARD = "v1"
+"""The kernels `kda_chunk_fwd_triton`, `kda_chunk_bwd_triton` and `kda_intra_triton` run when called with
+impl=None: "v1" (`_intra_kernel` by sub-blocks, `_state_kernel` writing O inside the chunk loop) or "v2"
+(`_intra2_kernel`: L and Aqk of the whole chunk at once, (I + L)⁻¹ by doubling; the sequential pass only carries
+the state, storing S_n and U_n; `_output_kernel` forms O chunk-parallel)."""
+
+V2 = {"state_block": 64, "scratch": "fp32", "states": "fp32"}
+"""Options of the "v2" forward for 16-bit inputs: "state_block" the state columns of one sequential program (32 or
+64); "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "fp32", or "16"
+(bf16; the state and output dots round their operands to TF32 from there). The backward's recompute keeps fp32."""
+
+
+def _impl(impl: str | None) -> str:
+    impl = FORWARD if impl is None else impl
+    if impl not in ("v1", "v2"):
+        raise ValueError(f"kda_triton: impl={impl!r} must be 'v1' or 'v2' (or None: kda_triton.FORWARD)")
+    return impl
+
+
 def _dots(dtype: torch.dtype, *which: str) -> dict:
     """The dot operands of `which` ("pair", "solve", "state") for inputs of `dtype` (fp32: "ieee" everywhere), the
     16-bit operand type and whether the interpreter emulates the tensor cores' rounding. fp16 inputs take bf16
@@ -536,41 +722,54 @@ def _dots(dtype: torch.dtype, *which: str) -> dict:
 
 
 def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None = None, *,
-                     scale: float, chunk_size: int = 64, inverse: bool = False) -> dict[str, Tensor]:
+                     scale: float, chunk_size: int = 64, inverse: bool = False, impl: str | None = None,
+                     scratch: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """The intra-chunk quantities of every chunk (module docstring), one program per (chunk, sequence × head).
 
-    q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], reset [B, T] bool or None. Returns fp32 tensors over
-    rows R = B·H (b-major) and chunks N = ⌈T / C⌉ (the last chunk zero-padded): w, q̃ ("qd"), k̃ ("kd")
-    [R, N, C, K], u [R, N, C, V], Aqk ("A") [R, N, C, C], d [R, N, K]; with `inverse` also (I + L)⁻¹ ("M")
-    [R, N, C, C] (the backward's)."""
+    q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], reset [B, T] bool or None. Returns tensors over rows
+    R = B·H (b-major) and chunks N = ⌈T / C⌉ (the last chunk zero-padded): w, q̃ ("qd"), k̃ ("kd") [R, N, C, K]
+    (in `scratch`: fp32, or bf16 with impl "v2"), u [R, N, C, V], Aqk ("A") [R, N, C, C], d [R, N, K] (fp32);
+    with `inverse` also (I + L)⁻¹ ("M") [R, N, C, C] fp32 (the backward's). impl: `FORWARD`."""
     _check(q, k, v, g, beta, None, reset, chunk_size, "kda_intra_triton")
+    impl = _impl(impl)
+    if scratch != torch.float32 and (impl == "v1" or scratch != torch.bfloat16):
+        raise ValueError(f"kda_intra_triton: scratch={scratch} needs impl='v2' and bfloat16 (or float32)")
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
     N = -(-T // C)
     R = B * H
     f32 = dict(dtype=torch.float32, device=q.device)
-    x = dict(w=torch.empty(R, N, C, K, **f32), u=torch.empty(R, N, C, V, **f32), qd=torch.empty(R, N, C, K, **f32),
-             kd=torch.empty(R, N, C, K, **f32), A=torch.empty(R, N, C, C, **f32), d=torch.empty(R, N, K, **f32))
+    s16 = dict(dtype=scratch, device=q.device)
+    x = dict(w=torch.empty(R, N, C, K, **s16), u=torch.empty(R, N, C, V, **f32), qd=torch.empty(R, N, C, K, **s16),
+             kd=torch.empty(R, N, C, K, **s16), A=torch.empty(R, N, C, C, **f32), d=torch.empty(R, N, K, **f32))
     if inverse:
         x["M"] = torch.empty(R, N, C, C, **f32)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     rst = reset.to(torch.int32).contiguous() if reset is not None else q   # q: a pointer never read
-    cfg = intra_config(C, K, V)
-    _intra_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["A"], x["d"],
-                          x.get("M", x["A"]), T, H, K, V, N, float(scale), C=C, BC=SUB_CHUNK, BK=cfg["BK"],
-                          BV=cfg["BV"], HAS_RESET=reset is not None, INVERSE=inverse, num_warps=cfg["num_warps"],
-                          num_stages=cfg["num_stages"], **_dots(q.dtype, "pair", "solve"))
+    args = (q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["A"], x["d"], x.get("M", x["A"]), T, H, K,
+            V, N, float(scale))
+    if impl == "v1":
+        cfg = intra_config(C, K, V)
+        _intra_kernel[(N, R)](*args, C=C, BC=SUB_CHUNK, BK=cfg["BK"], BV=cfg["BV"], HAS_RESET=reset is not None,
+                              INVERSE=inverse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                              **_dots(q.dtype, "pair", "solve"))
+    else:
+        cfg = intra2_config(C, K, V, ieee=q.dtype not in _DT16)
+        _intra2_kernel[(N, R)](*args, C=C, BC=SUB_CHUNK, LEVELS=C.bit_length() - 1, BK=cfg["BK"], BV=cfg["BV"],
+                               HAS_RESET=reset is not None, INVERSE=inverse, num_warps=cfg["num_warps"],
+                               num_stages=cfg["num_stages"], **_dots(q.dtype, "pair", "solve"))
     return x
 
 
 def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
                 s0: Tensor | None, identity: bool, with_u: bool, out: Tensor | None,
-                states: Tensor | None = None) -> Tensor:
+                states: Tensor | None = None, block_v: int | None = None) -> Tensor:
     """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V].
-    `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n over x["u"]."""
+    `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n over x["u"].
+    block_v: the state columns of a program for 16-bit inputs ("v2"; None: `state_config`'s own)."""
     R, N, C = x["w"].shape[:3]
-    cfg = state_config(K, V, ieee=dtype not in _DT16)
+    cfg = state_config(K, V, ieee=dtype not in _DT16, block_v=block_v)
     sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
     s0_ptr = s0.contiguous() if s0 is not None else sN
     mode = 2 if identity else (1 if s0 is not None else 0)
@@ -584,20 +783,43 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
 
 def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                          initial_state: Tensor | None = None, reset: Tensor | None = None, *, scale: float,
-                         chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+                         chunk_size: int = 64, impl: str | None = None) -> tuple[Tensor, Tensor]:
     """KDA forward as Triton kernels: the contract of `delta_rule.kda_chunk` / `kda_recurrent` for float32 and
     16-bit inputs with bounded gates (g ∈ [−5, 0], module docstring).
 
     q, k [B, T, H, K] (L2-normalized), v [B, T, H, V] (one dtype: float32, bfloat16 or float16), g [B, T, H, K]
     log-decay, beta [B, T, H], initial_state [B, H, K, V] float32 or None, reset [B, T] bool (the state is zeroed
-    before each True token). Returns o [B, T, H, V] in v.dtype and the final state [B, H, K, V] float32."""
+    before each True token). Returns o [B, T, H, V] in v.dtype and the final state [B, H, K, V] float32.
+    impl: "v1", "v2" or None (`FORWARD`); "v2" takes its options from `V2`."""
     _check(q, k, v, g, beta, initial_state, reset, chunk_size, "kda_chunk_fwd_triton")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size)
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
-    sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=o)
+    if _impl(impl) == "v1":
+        x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, impl="v1")
+        sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=o)
+        return o, sN
+    s16 = q.dtype in _DT16
+    scratch = torch.bfloat16 if s16 and V2["scratch"] == "16" else torch.float32
+    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, impl="v2", scratch=scratch)
+    R, N, C = x["w"].shape[:3]
+    states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V2["states"] == "16" else torch.float32,
+                         device=q.device)
+    sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=None,
+                     states=states, block_v=V2["state_block"])
+    _output_pass(x, states, o, q.dtype)
     return o, sN
+
+
+def _output_pass(x: dict[str, Tensor], states: Tensor, o: Tensor, dtype: torch.dtype) -> None:
+    """O_n = q̃_n S_n + Aqk_n U_n into o [B, T, H, V] (`_output_kernel`), from the scratch `x` after a state pass
+    that stored S_n into `states` [R, N, K, V] and U_n over x["u"]."""
+    R, N, C, K = x["qd"].shape
+    B, T, H, V = o.shape
+    cfg = output_config(K, V, ieee=dtype not in _DT16)
+    _output_kernel[(N, R, triton.cdiv(V, cfg["BV"]))](
+        x["qd"], x["A"], x["u"], states, o, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dots(dtype, "state"))
 
 
 def kda_cp_prepass_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None = None,
@@ -620,7 +842,8 @@ def kda_cp_prepass_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
 
 def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                          reset: Tensor | None, do: Tensor, dsN: Tensor | None, *, scale: float,
-                         chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+                         chunk_size: int = 64, impl: str | None = None
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The gradients of `kda_chunk_fwd_triton`'s (o, final state) w.r.t. q, k, v, g, beta and the initial state,
     given do [B, T, H, V] (the output's gradient) and dsN [B, H, K, V] float32 or None (the final state's).
 
@@ -650,7 +873,8 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 
     Precision as the forward (`PRECISION`): the pairwise dots "pair", the dots with (I + L)⁻ᵀ and dL "solve",
     those with states, dO, U and dU "state". Scratch: the forward's (w, u, q̃, k̃, Aqk, d) plus M [R, N, C, C],
-    S_n and dS_{n+1} [R, N, K, V] and dU [R, N, C, V], all fp32."""
+    S_n and dS_{n+1} [R, N, K, V] and dU [R, N, C, V], all fp32. impl ("v1", "v2", None: `FORWARD`) picks the
+    recompute's intra-chunk kernel and, for "v2", the state pass's column blocks (`V2["state_block"]`)."""
     _check(q, k, v, g, beta, initial_state, reset, chunk_size, "kda_chunk_bwd_triton")
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -659,11 +883,13 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     if dsN is not None and (dsN.shape != (B, H, K, V) or dsN.dtype != torch.float32):
         raise ValueError(f"kda_chunk_bwd_triton: dsN must be float32 [B, H, K, V] = {[B, H, K, V]}, got "
                          f"{dsN.dtype} {list(dsN.shape)}")
-    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=True)
+    impl = _impl(impl)
+    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=True, impl=impl)
     R, N, C = x["w"].shape[:3]
     f32 = dict(dtype=torch.float32, device=q.device)
     states = torch.empty(R, N, K, V, **f32)
-    _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=None, states=states)
+    _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=None, states=states,
+                block_v=V2["state_block"] if impl == "v2" else None)
     U = x["u"]                                                    # U_n now (the pass wrote it over u)
 
     dstates = torch.empty(R, N, K, V, **f32)

@@ -9,8 +9,11 @@ by default.
 Chunked rows, B = 1, D = K = V = 128 at (T, H) = (8192, 96), (32768, 32), (65536, 8): bf16 q, k (unit rows) and v,
 fp32 log-decay g from K3's bounded gate (lower bound -5), fp32 beta, an fp32 initial state, the final state
 returned. Rows: fla's `chunk_kda` with its defaults and with `safe_gate=True, lower_bound=-5` (when fla imports),
-the project's `Backend(kda="triton")` (the Triton forward, and forward+backward once its op has a backward) and,
-with `--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
+the project's `Backend(kda="triton")` (the Triton forward, and forward+backward once its op has a backward), the
+"v2" forward (`kda_chunk_fwd_triton(impl="v2")`, with each of `V2_VARIANTS`' options of kda_triton.V2, and its
+kernels timed apart), forward+backward through the plain `kda_chunk_fwd_triton` + `kda_chunk_bwd_triton` for
+impl "v1" and "v2" (the backward recomputes with the same kernels) and, with `--chunk-triton`,
+`Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
 
 Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's `fused_recurrent_kda` (state in,
 final state out) against the project's in-place step (`kda_step_inplace_triton`, q and k already normalized) and
@@ -161,6 +164,15 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
         row(name, "forward+backward", ours_fwd_bwd)
     else:
         print(f"| {name} | forward+backward | (no backward yet) | | | | |", flush=True)
+    for impl in ("v1", "v2"):   # the plain functions (no op layer), each forward with its backward's recompute
+        if impl == "v2":
+            v2_rows(x, T, H, D, scale, row, outs)
+
+        def plain_fwd_bwd(impl=impl):
+            kt.kda_chunk_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], scale=scale, impl=impl)
+            kt.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], None, do, None, scale=scale,
+                                    impl=impl)
+        row(f"kda_chunk_fwd_triton + kda_chunk_bwd_triton, impl={impl}", "forward+backward", plain_fwd_bwd)
 
     if with_chunk_triton:
         from kimi.config import Backend
@@ -179,6 +191,46 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
         first = next(iter(outs.values()))
         print("output difference against the first row: " + ", ".join(
             f"{n} {rel(o, first):.1e}" for n, o in list(outs.items())[1:]), flush=True)
+
+
+V2_VARIANTS = {"64 state columns": {}, "32 state columns": dict(state_block=32),
+               "bf16 w, q~, k~": dict(scratch="16"), "bf16 S_n": dict(states="16"),
+               "bf16 w, q~, k~ and S_n": dict(scratch="16", states="16")}
+
+
+def v2_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict) -> None:
+    """The "v2" forward (kda_triton.V2's options), whole and by kernel."""
+    from kimi.ops import kda_triton as kt
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    R, N = H, -(-T // 64)
+    for variant, options in V2_VARIANTS.items():
+        saved = dict(kt.V2)
+        kt.V2.update(options)
+        try:
+            name = f"ours v2 ({variant})"
+
+            def fwd():
+                with torch.no_grad():
+                    return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale, impl="v2")
+            outs[name] = fwd()[0]
+            row(name, "forward", fwd)
+            if variant not in ("64 state columns", "bf16 w, q~, k~ and S_n"):
+                continue
+            scratch = torch.bfloat16 if kt.V2["scratch"] == "16" else torch.float32
+            sd = torch.bfloat16 if kt.V2["states"] == "16" else torch.float32
+            row(f"{name}: its intra-chunk kernel", "forward",
+                lambda: kt.kda_intra_triton(*args, scale=scale, impl="v2", scratch=scratch))
+            xs = kt.kda_intra_triton(*args, scale=scale, impl="v2", scratch=scratch)
+            states = torch.empty(R, N, D, D, dtype=sd, device=x["q"].device)
+            row(f"{name}: its state pass (S_n, U_n)", "forward",
+                lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
+                                       out=None, states=states, block_v=kt.V2["state_block"]))
+            o = torch.empty_like(x["v"])
+            row(f"{name}: its output kernel", "forward", lambda: kt._output_pass(xs, states, o, x["q"].dtype))
+            del xs, states
+        finally:
+            kt.V2.clear()
+            kt.V2.update(saved)
 
 
 def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: bool = False) -> None:

@@ -4,7 +4,7 @@ conversions. Launch arguments are specialized as Triton's launcher does (16-byte
 divisible by 16 marked so, ints equal to 1 made constants): without that every gather compiles to 2-byte loads
 and the spills come out several times too large.
 
-    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv kda-bwd
+    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv kda-fwd kda-fwd2 kda-bwd
 
 Needs a Triton with its NVIDIA backend (a Linux wheel; the device's version is 3.6: `pip install triton==3.6.0`
 into a separate environment). Registers and spills decide occupancy and show where a launch configuration will
@@ -162,8 +162,73 @@ def kda_bwd():
             num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
+def _kda_prec(name):
+    prec = {w.upper(): kt.PRECISION[w] if name == "bf16" else "ieee" for w in ("pair", "solve", "state")}
+    return prec, dict(DT=getattr(triton.language, "bfloat16" if name == "bf16" else "float32"), EMULATE=False)
+
+
+def kda_fwd():
+    """The chunked KDA forward "v1" (`_intra_kernel`, `_state_kernel` writing o) at K = V = 128, C = 64."""
+    N, C, KD = T // 64, 64, 128
+    for name in ("bf16", "fp32"):
+        x = "*bf16" if name == "bf16" else F32
+        prec, common = _kda_prec(name)
+        c = kt.intra_config(C, KD, KD)
+        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=F32, u_ptr=F32,
+                    qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, M_ptr=F32)
+        consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, INVERSE=False,
+                      PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
+        yield f"kda v1 intra {name} {c}", report(kt._intra_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1),
+                                                 consts, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        c = kt.state_config(KD, KD, ieee=name == "fp32")
+        ptrs = dict(w_ptr=F32, u_ptr=F32, qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, s0_ptr=F32, o_ptr=x,
+                    sN_ptr=F32, h_ptr=F32)
+        consts = dict(C=C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, OUT=True, STORE=False, STATE=prec["STATE"],
+                      **common)
+        yield f"kda v1 state pass, writing o {name} {c}", report(
+            kt._state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+
+
+def kda_fwd2():
+    """The chunked KDA forward "v2" at K = V = 128, C = 64: `_intra2_kernel` (with and without (I+L)^-1, fp32 and
+    bf16 scratch), the sequential pass storing S_n and U_n at 32 and 64 state columns (fp32 and bf16 w, k~, S_n)
+    and `_output_kernel`."""
+    N, C, KD = T // 64, 64, 128
+    for name in ("bf16", "fp32"):
+        x = "*bf16" if name == "bf16" else F32
+        prec, common = _kda_prec(name)
+        c = kt.intra2_config(C, KD, KD, ieee=name == "fp32")
+        for inverse, sc in ((False, F32), (True, F32)) + (((False, BF),) if name == "bf16" else ()):
+            ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc, u_ptr=F32,
+                        qd_ptr=sc, kd_ptr=sc, A_ptr=F32, d_ptr=F32, M_ptr=F32)
+            consts = dict(C=C, BC=kt.SUB_CHUNK, LEVELS=6, BK=c["BK"], BV=c["BV"], HAS_RESET=True, INVERSE=inverse,
+                          PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
+            yield f"kda v2 intra {name}{', (I+L)^-1' if inverse else ''}, scratch {sc[1:]} {c}", report(
+                kt._intra2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
+        blocks = (32, 64) if name == "bf16" else (None,)
+        for bv in blocks:
+            for sc in ((F32, BF) if name == "bf16" else (F32,)):
+                c = kt.state_config(KD, KD, ieee=name == "fp32", block_v=bv)
+                ptrs = dict(w_ptr=sc, u_ptr=F32, qd_ptr=sc, kd_ptr=sc, A_ptr=F32, d_ptr=F32, s0_ptr=F32, o_ptr=x,
+                            sN_ptr=F32, h_ptr=sc)
+                consts = dict(C=C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, OUT=False, STORE=True,
+                              STATE=prec["STATE"], **common)
+                yield f"kda v2 state pass (S_n, U_n) {name}, w/k~/S_n {sc[1:]} {c}", report(
+                    kt._state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
+                    num_stages=c["num_stages"])
+        c = kt.output_config(KD, KD, ieee=name == "fp32")
+        for sc in ((F32, BF) if name == "bf16" else (F32,)):
+            ptrs = dict(qd_ptr=sc, A_ptr=F32, U_ptr=F32, h_ptr=sc, o_ptr=x)
+            consts = dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"], **common)
+            yield f"kda v2 output {name}, q~/S_n {sc[1:]} {c}", report(
+                kt._output_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
+                num_stages=c["num_stages"])
+
+
 KERNELS = {"indexer": indexer, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv,
-           "kda-bwd": kda_bwd}
+           "kda-fwd": kda_fwd, "kda-fwd2": kda_fwd2, "kda-bwd": kda_bwd}
 
 
 def main():
