@@ -118,6 +118,22 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _chunk_rows(reset_ptr, n, bh, T, H, C: tl.constexpr, HAS_RESET: tl.constexpr):
+        """The rows of chunk n of sequence × head bh: (t their positions [C], valid, tok = token·H + h for the
+        [B, T, H, ·] inputs, rst their document starts, seg the segment of every row, n_seg the starts in the
+        chunk). A row sees the entering state iff seg == 0 and writes the leaving one iff seg == n_seg."""
+        b = bh // H
+        h = bh % H
+        t = n * C + tl.arange(0, C)
+        valid = t < T
+        tok = (b * T + t) * H + h
+        if HAS_RESET:
+            rst = tl.load(reset_ptr + b * T + t, mask=valid, other=0)
+        else:
+            rst = tl.zeros([C], dtype=tl.int32)
+        return t, valid, tok, rst, tl.cumsum(rst, 0), tl.sum(rst, 0)
+
+    @triton.jit
     def _intra_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr,
                       M_ptr, T, H, K, V, N, scale,
                       C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -130,15 +146,7 @@ if triton is not None:
         b = bh // H
         h = bh % H
         rows = tl.arange(0, C)
-        t = n * C + rows
-        valid = t < T
-        tok = (b * T + t) * H + h                                   # token·H + h of every chunk row  [C]
-        if HAS_RESET:
-            rst = tl.load(reset_ptr + b * T + t, mask=valid, other=0)
-        else:
-            rst = tl.zeros([C], dtype=tl.int32)
-        seg = tl.cumsum(rst, 0)                                     # segment of every row
-        n_seg = tl.sum(rst, 0)
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
         first = seg == 0                                            # rows that see the entering state
         last = seg == n_seg                                         # rows that write the leaving state
         out = (bh * N + n) * C + rows                               # scratch rows of this chunk  [C]
@@ -343,18 +351,8 @@ if triton is not None:
         # (S_n in h, dS_{n+1} in dh, U, dU) and (I + L)⁻¹ in M; the steps are kda_chunk_bwd_triton's docstring.
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
-        b = bh // H
-        h = bh % H
         rows = tl.arange(0, C)
-        t = n * C + rows
-        valid = t < T
-        tok = (b * T + t) * H + h
-        if HAS_RESET:
-            rst = tl.load(reset_ptr + b * T + t, mask=valid, other=0)
-        else:
-            rst = tl.zeros([C], dtype=tl.int32)
-        seg = tl.cumsum(rst, 0)
-        n_seg = tl.sum(rst, 0)
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
         first = (seg == 0)[:, None]
         last = (seg == n_seg)[:, None]
         same = seg[:, None] == seg[None, :]
@@ -494,18 +492,8 @@ if triton is not None:
         # Then (I + L)⁻¹ by doubling, and pass 2: w and u as dots with it.
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
-        b = bh // H
-        h = bh % H
         rows = tl.arange(0, C)
-        t = n * C + rows
-        valid = t < T
-        tok = (b * T + t) * H + h
-        if HAS_RESET:
-            rst = tl.load(reset_ptr + b * T + t, mask=valid, other=0)
-        else:
-            rst = tl.zeros([C], dtype=tl.int32)
-        seg = tl.cumsum(rst, 0)
-        n_seg = tl.sum(rst, 0)
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
         first = (seg == 0)[:, None]
         last = (seg == n_seg)[:, None]
         out = (bh * N + n) * C + rows

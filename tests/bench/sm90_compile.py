@@ -123,29 +123,50 @@ def sparse_dkv():
                                           num_stages=cfg.dkv_num_stages or cfg.num_stages)
 
 
+KDA_N, KDA_C, KDA_D = T // 64, 64, 128     # K3's chunked KDA: chunks of 64, K = V = 128
+
+
+def _kda_prec(name):
+    prec = {w.upper(): kt.PRECISION[w] if name == "bf16" else "ieee" for w in ("pair", "solve", "state")}
+    return prec, dict(DT=getattr(triton.language, "bfloat16" if name == "bf16" else "float32"), EMULATE=False)
+
+
+def _kda_intra(name, label, inverse):
+    """`_intra_kernel` for `name` inputs ("bf16", "fp32"), (I+L)^-1 stored or not."""
+    x = "*bf16" if name == "bf16" else F32
+    prec, common = _kda_prec(name)
+    c = kt.intra_config(KDA_C, KDA_D, KDA_D)
+    ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=F32, u_ptr=F32,
+                qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, M_ptr=F32)
+    consts = dict(C=KDA_C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, INVERSE=inverse,
+                  PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
+    return f"{label} {name} {c}", report(kt._intra_kernel, ptrs, dict(T=T, H=H, K=KDA_D, V=KDA_D, N=KDA_N,
+                                                                       scale=0.1),
+                                         consts, num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+def _kda_state(name, label, out, store):
+    """`_state_kernel` for `name` inputs, writing o (`out`) or storing S_n and U (`store`)."""
+    x = "*bf16" if name == "bf16" else F32
+    prec, common = _kda_prec(name)
+    c = kt.state_config(KDA_D, KDA_D, ieee=name == "fp32")
+    ptrs = dict(w_ptr=F32, u_ptr=F32, qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, s0_ptr=F32, o_ptr=x,
+                sN_ptr=F32, h_ptr=F32)
+    consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, OUT=out, STORE=store, STATE=prec["STATE"],
+                  **common)
+    return f"{label} {name} {c}", report(kt._state_kernel, ptrs, dict(T=T, H=H, K=KDA_D, V=KDA_D, N=KDA_N), consts,
+                                         num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
 def kda_bwd():
     """The chunked KDA backward's four launches at K3's K = V = 128, C = 64 (T = 8192, H = 96), bf16 and fp32."""
-    N, C, KD = T // 64, 64, 128
-    for name, dt in (("bf16", "bfloat16"), ("fp32", "float32")):
+    N, C, KD = KDA_N, KDA_C, KDA_D
+    for name in ("bf16", "fp32"):
         x = "*bf16" if name == "bf16" else F32
-        prec = {w.upper(): kt.PRECISION[w] if name == "bf16" else "ieee" for w in ("pair", "solve", "state")}
-        common = dict(DT=getattr(triton.language, dt), EMULATE=False)
-        c = kt.intra_config(C, KD, KD)
-        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=F32, u_ptr=F32,
-                    qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, M_ptr=F32)
-        consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, INVERSE=True,
-                      PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
-        yield f"kda intra (recompute, with (I+L)^-1) {name} {c}", report(
-            kt._intra_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
+        prec, common = _kda_prec(name)
+        yield _kda_intra(name, "kda intra (recompute, with (I+L)^-1)", inverse=True)
+        yield _kda_state(name, "kda state pass, storing S_n and U", out=False, store=True)
         c = kt.state_config(KD, KD, ieee=name == "fp32")
-        ptrs = dict(w_ptr=F32, u_ptr=F32, qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, s0_ptr=F32, o_ptr=x,
-                    sN_ptr=F32, h_ptr=F32)
-        consts = dict(C=C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, OUT=False, STORE=True, STATE=prec["STATE"],
-                      **common)
-        yield f"kda state pass, storing S_n and U {name} {c}", report(
-            kt._state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
         ptrs = dict(qd_ptr=F32, kd_ptr=F32, w_ptr=F32, A_ptr=F32, d_ptr=F32, do_ptr=x, dsN_ptr=F32, dh_ptr=F32,
                     dU_ptr=F32, dh0_ptr=F32)
         consts = dict(C=C, BK=c["BK"], BV=c["BV"], HAS_DSN=True, HAS_DH0=True, STATE=prec["STATE"], **common)
@@ -162,32 +183,11 @@ def kda_bwd():
             num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-def _kda_prec(name):
-    prec = {w.upper(): kt.PRECISION[w] if name == "bf16" else "ieee" for w in ("pair", "solve", "state")}
-    return prec, dict(DT=getattr(triton.language, "bfloat16" if name == "bf16" else "float32"), EMULATE=False)
-
-
 def kda_fwd():
     """The chunked KDA forward "v1" (`_intra_kernel`, `_state_kernel` writing o) at K = V = 128, C = 64."""
-    N, C, KD = T // 64, 64, 128
     for name in ("bf16", "fp32"):
-        x = "*bf16" if name == "bf16" else F32
-        prec, common = _kda_prec(name)
-        c = kt.intra_config(C, KD, KD)
-        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=F32, u_ptr=F32,
-                    qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, M_ptr=F32)
-        consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, INVERSE=False,
-                      PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
-        yield f"kda v1 intra {name} {c}", report(kt._intra_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1),
-                                                 consts, num_warps=c["num_warps"], num_stages=c["num_stages"])
-        c = kt.state_config(KD, KD, ieee=name == "fp32")
-        ptrs = dict(w_ptr=F32, u_ptr=F32, qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, s0_ptr=F32, o_ptr=x,
-                    sN_ptr=F32, h_ptr=F32)
-        consts = dict(C=C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, OUT=True, STORE=False, STATE=prec["STATE"],
-                      **common)
-        yield f"kda v1 state pass, writing o {name} {c}", report(
-            kt._state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
+        yield _kda_intra(name, "kda v1 intra", inverse=False)
+        yield _kda_state(name, "kda v1 state pass, writing o", out=True, store=False)
 
 
 def kda_fwd2():
