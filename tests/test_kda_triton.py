@@ -367,9 +367,10 @@ def _k3_inputs(dtype, T=8192, H=96, B=1, K=128):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("documents", [False, True])
-def test_gpu_k3_shape_matches_chunk(dtype, documents):
+def test_gpu_k3_shape_matches_chunk(dtype, documents, impl):
     """B = 1, T = 8192, H = 96, K = V = 128 against `kda_chunk` in fp32 (IEEE matmuls) on the same inputs: bf16
     within FLA's 5e-3, fp32 within 2e-5 (measured on the CPU at small shapes ≤ 6e-7 against float64)."""
     x, reset = _k3_inputs(dtype)
@@ -380,20 +381,21 @@ def test_gpu_k3_shape_matches_chunk(dtype, documents):
         o_ref, S_ref = _call(delta_rule.kda_chunk, {n: t.float() for n, t in x.items()}, reset, scale=128 ** -0.5)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
-    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, impl=impl)
     tol = 2e-5 if dtype == torch.float32 else BF16_TOL
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     assert rel_err(o, o_ref) < tol and rel_err(S, S_ref) < tol
 
 
 @pytest.mark.gpu
-def test_gpu_matches_float64_recurrence():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpu_matches_float64_recurrence(impl):
     """bf16 at K = V = 128 over 16 chunks and 8 heads against the float64 recurrence, with documents."""
     x, _ = _k3_inputs(torch.bfloat16, T=1024, H=8)
     reset = resets(1, 1024, [[100, 640, 641]]).cuda()
     o_ref, S_ref = _call(delta_rule.kda_recurrent, {n: t.double() for n, t in x.items()}, reset,
                          scale=128 ** -0.5)
-    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, impl=impl)
     assert rel_err(o, o_ref) < BF16_TOL and rel_err(S, S_ref) < BF16_TOL
 
 
@@ -408,8 +410,9 @@ def test_gpu_cp_prepass_at_k3_width():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("documents", [False, True])
-def test_gpu_backward_k3_shape_matches_chunk(documents):
+def test_gpu_backward_k3_shape_matches_chunk(documents, impl):
     """bf16 at B = 1, T = 8192, H = 96, K = V = 128, with a final-state gradient: every gradient against the fp32
     autograd of `kda_chunk` (IEEE matmuls; its own error ~1e-7 at small shapes) on the same inputs."""
     x, reset = _k3_inputs(torch.bfloat16)
@@ -421,18 +424,19 @@ def test_gpu_backward_k3_shape_matches_chunk(documents):
         ref = _reference_grads(x, reset, do, dsN, 128 ** -0.5, fn=delta_rule.kda_chunk, dtype=torch.float32)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
-    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset, do, dsN, scale=128 ** -0.5)
+    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset, do, dsN, scale=128 ** -0.5, impl=impl)
     _check_grads(got, ref, x, BWD_BF16_TOL)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_backward_matches_float64_recurrence(dtype):
+def test_gpu_backward_matches_float64_recurrence(dtype, impl):
     """K = V = 128 over 16 chunks and 8 heads with documents against the float64 autograd of the recurrence:
     fp32 within 2e-5 (as the forward's GPU test; ≤ 7e-7 measured on the CPU), bf16 within BWD_BF16_TOL."""
     x, _ = _k3_inputs(dtype, T=1024, H=8)
     reset = resets(1, 1024, [[100, 640, 641]]).cuda()
     do, dsN = _bwd_inputs(x, True)
     ref = _reference_grads(x, reset, do, dsN, 128 ** -0.5)
-    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset, do, dsN, scale=128 ** -0.5)
+    got = kt.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset, do, dsN, scale=128 ** -0.5, impl=impl)
     _check_grads(got, ref, x, 2e-5 if dtype == torch.float32 else BWD_BF16_TOL)
