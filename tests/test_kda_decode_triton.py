@@ -127,6 +127,17 @@ def test_decode_steps_match_reference(shape, dtype):
     """STEPS decode steps in a row (state and tails carried by the kernel): o, the state and the tails against the
     float64 torch path after every step. Rows restart at step 0 / 1 / 3 (state and taps before the start dropped,
     also in the following W−2 steps) or are mid-document; the initial state and tails are random history."""
+    _decode_steps(shape, dtype)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_decode_steps_with_cache_hints_and_pipelined_blocks(stages):
+    """The benchmarks' launch options (streaming cache hints, the column-block loop software-pipelined) compute
+    the same: three column blocks a program, whose loads may run ahead of the previous block's in-place stores."""
+    _decode_steps("K=24, V=40 in blocks of 16, W=3", torch.bfloat16, stream=True, stages=stages)
+
+
+def _decode_steps(shape, dtype, **launch):
     B, H, K, V, W, block_v = SHAPES[shape]
     scale = K ** -0.5
     starts = torch.tensor(STARTS[:B])
@@ -140,7 +151,7 @@ def test_decode_steps_match_reference(shape, dtype):
         xs, g, beta, (o_ref, o_err, S64, tails64) = _draw_step(B, H, K, V, dtype, weights, tails64, conv_reset,
                                                                 S64, scale)
         o = kd.kda_decode_step_triton(*_dev(*xs), *weights_dev, *tails, *_dev(conv_reset, g, beta), state,
-                                      scale=scale, block_v=block_v)
+                                      scale=scale, block_v=block_v, **launch)
         assert o.shape == (B, H, V) and o.dtype == dtype
         assert rel_err(state.cpu(), S64) < FP32_TOL, f"state after step {step}"
         for name, t, r in zip("qkv", tails, tails64):
@@ -292,7 +303,8 @@ def test_launch_config_and_errors():
 # ---------------------------------------------------------------------------------------------- GPU, K3 decode shape
 
 @pytest.mark.gpu
-def test_gpu_k3_decode_matches_reference():
+@pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32)], ids=["default", "stream"])
+def test_gpu_k3_decode_matches_reference(launch):
     """B=64, H=96, K=V=128, bf16 activations, fp32 state, three steps (rows restarting at each, and mid-document),
     against the float64 reference on the GPU. At this size near-tie roundings are not redrawn (~1e-4 of the rounded
     values land one bf16 ulp from the reference's), so the tolerances are statistical: the state 1e-4 and o 5e-4
@@ -309,7 +321,7 @@ def test_gpu_k3_decode_matches_reference():
         conv_reset = _conv_reset(P0 + step, W, starts).to(dev)
         xs = [torch.randn(B, H * D, device=dev).to(dt) for D in (K, K, V)]
         g, beta = -5 * torch.rand(B, H, K, device=dev), torch.rand(B, H, device=dev)
-        o = kd.kda_decode_step_triton(*xs, *weights, *tails, conv_reset, g, beta, state, scale=scale)
+        o = kd.kda_decode_step_triton(*xs, *weights, *tails, conv_reset, g, beta, state, scale=scale, **launch)
         o_ref, _, S64, tails64, _ = _reference_step([x.double() for x in xs], weights, tails64, conv_reset, g, beta,
                                                     S64, scale=scale, dtype=dt)
         assert all(torch.equal(t, r.to(dt)) for t, r in zip(tails, tails64)), step

@@ -67,7 +67,8 @@ if triton is not None:
     def _decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, tq_ptr, tk_ptr, tv_ptr, reset_ptr,
                        g_ptr, beta_ptr, state_ptr, o_ptr, H, K, V, scale, eps,
                        W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
-                       CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+                       CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
+                       STREAM: tl.constexpr, STAGES: tl.constexpr):
         # program (b·H + h, column split s): columns [s·NB·BV, (s+1)·NB·BV) of S in NB blocks of BV. With CONV
         # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
         # [B, H, K] are normalized, v [B, H, V], reset [B] (HAS_RESET). g [B, H, K], beta [B, H], state
@@ -93,7 +94,7 @@ if triton is not None:
         decay = tl.exp(tl.load(g_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32))
         beta = tl.load(beta_ptr + bh).to(tl.float32)
         qs = scale * q
-        for i in range(NB):
+        for i in tl.range(NB, num_stages=STAGES):
             vv = (tl.program_id(1) * NB + i) * BV + tl.arange(0, BV)
             mv = vv < V
             if CONV:
@@ -102,12 +103,19 @@ if triton is not None:
                 v = tl.load(v_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
             m = mk[:, None] & mv[None, :]
             s_ptrs = state_ptr + bh * K * V + kk[:, None] * V + vv[None, :]
-            S = decay[:, None] * tl.load(s_ptrs, mask=tl.where(keep, m, False), other=0.0)   # a restart reads nothing
+            if STREAM:   # the state is touched once a step: keep it from evicting the weights' lines in L2
+                S = tl.load(s_ptrs, mask=tl.where(keep, m, False), other=0.0, eviction_policy="evict_first")
+            else:
+                S = tl.load(s_ptrs, mask=tl.where(keep, m, False), other=0.0)   # a restart reads nothing
+            S = decay[:, None] * S
             u = beta * (v - tl.sum(S * k[:, None], 0))
             S = S + k[:, None] * u[None, :]
             o = tl.sum(S * qs[:, None], 0)
             tl.debug_barrier()   # as in _conv_token: all reads of this block of S before the first write
-            tl.store(s_ptrs, S, mask=m)
+            if STREAM:
+                tl.store(s_ptrs, S, mask=m, cache_modifier=".cs")
+            else:
+                tl.store(s_ptrs, S, mask=m)
             tl.store(o_ptr + bh * V + vv, _to16(o, o_ptr.dtype.element_ty, EMULATE), mask=mv)
 
 
@@ -126,8 +134,12 @@ def decode_config(K: int, V: int, fused: bool = True) -> tuple[int, int, int]:
     return BK, BV, max(1, min(8, BK * BV // 2048))
 
 
+STREAM = False
+"""Cache hints on the state's load and store (evict-first, streaming): a benchmark's option until timed."""
+
+
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
-            split_v):
+            split_v, stream=None, stages=1):
     B, H, K, V = state.shape
     BK, BV, warps = decode_config(K, V, fused=not split_v)
     if block_v is not None or num_warps is not None:   # a benchmark's choice
@@ -140,13 +152,15 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
         _decode_kernel[(B * H, splits)](
             q, k, v, *weights, *tails, reset, g, beta, state, o, H, K, V, scale, eps,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
-            DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), num_warps=warps)
+            DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
+            STAGES=stages, num_warps=warps)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
                            v_weight: Tensor, q_tail: Tensor, k_tail: Tensor, v_tail: Tensor, conv_reset: Tensor,
                            g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
-                           block_v: int | None = None, num_warps: int | None = None) -> Tensor:
+                           block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None,
+                           stages: int = 1) -> Tensor:
     """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
 
     Args:
@@ -160,7 +174,8 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         g [B, H, K]: the log-decay (`kda_gate`'s output), beta [B, H]: the write strength, both read in fp32.
         state [B, H, K, V] float32, contiguous: the recurrent state, updated in place.
         scale: the query scale (K^-1/2); eps: `l2norm`'s (inside the sqrt).
-        block_v, num_warps: override `decode_config` (benchmarks).
+        block_v, num_warps: override `decode_config`; stream: cache hints (`STREAM`); stages: the column-block
+            loop's software-pipelining depth (benchmarks).
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """
@@ -187,13 +202,13 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         t.contiguous() for t in (q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, g, beta))
     _launch(q_raw, k_raw, v_raw, (q_weight, k_weight, v_weight), (q_tail, k_tail, v_tail),
             conv_reset.contiguous().view(torch.uint8), g, beta, state, o, scale=scale, eps=eps, W=W, conv=True,
-            block_v=block_v, num_warps=num_warps, split_v=False)
+            block_v=block_v, num_warps=num_warps, split_v=False, stream=stream, stages=stages)
     return o
 
 
 def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
                             reset: Tensor | None = None, *, scale: float, block_v: int | None = None,
-                            num_warps: int | None = None) -> Tensor:
+                            num_warps: int | None = None, stream: bool | None = None) -> Tensor:
     """`delta_rule.kda_step` with the state updated in place: q, k [B, H, K] already normalized, v [B, H, V], g
     [B, H, K], beta [B, H], state [B, H, K, V] float32 contiguous, reset [B] bool or None (True: the row's state
     restarts from 0 first, as `state * keep`). Programs over (b·H + h, block of BV state columns). Returns o
@@ -211,7 +226,7 @@ def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     if reset is not None:
         reset = reset.contiguous().view(torch.uint8)
     _launch(q, k, v, (None,) * 3, (None,) * 3, reset, g, beta, state, o, scale=scale, eps=0.0, W=1, conv=False,
-            block_v=block_v, num_warps=num_warps, split_v=True)
+            block_v=block_v, num_warps=num_warps, split_v=True, stream=stream)
     return o
 
 
