@@ -272,6 +272,13 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
                 row(f"in place, block_v={bv}, {warps} warps",
                     lambda bv=bv, warps=warps: kda_decode_triton.kda_step_inplace_triton(
                         q, k, v, g, beta, s, scale=scale, block_v=bv, num_warps=warps))
+        for stream in (False, True):   # the default launches with and without cache hints, the fused loop pipelined
+            row(f"in place, stream={stream}", lambda stream=stream: kda_decode_triton.kda_step_inplace_triton(
+                q, k, v, g, beta, s, scale=scale, stream=stream))
+            for stages in (1, 2, 3):
+                row(f"fused, stream={stream}, {stages} stages", lambda stream=stream, stages=stages:
+                    kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
+                                                             scale=scale, stream=stream, stages=stages))
         for bv in (16, 32, 64):
             for warps in (2, 4, 8):
                 row(f"fused, block_v={bv}, {warps} warps",
