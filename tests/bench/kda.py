@@ -243,47 +243,53 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
           f"once {nbytes / 1e6:.0f} MB = {nbytes / PEAK_TBS / 1e9 * 1e3:.0f} us at {PEAK_TBS} TB/s", flush=True)
     print("| implementation | us | TB/s (state r+w) | peak GiB |\n|---|---|---|---|", flush=True)
 
-    def row(name, fn):
-        ms, peak = measure(fn, iters)
-        print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} | {peak:.2f} |", flush=True)
-
     q, k, v, g, beta = (x[n][:, 0] for n in ("q", "k", "v", "g", "beta"))
-    if fused_recurrent_kda is not None:
-        def fla_step():
-            return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=state,
-                                       output_final_state=True)
-        row("fla fused_recurrent_kda (new final state)", fla_step)
     s = state.clone()
-    row("ours kda_step_inplace_triton (state in place)",
-        lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale))
     W = 4
     raw = [torch.randn(B, H * D, device=dev).bfloat16() for _ in range(3)]
     weights = [torch.randn(H * D, 1, W, device=dev).bfloat16() for _ in range(3)]
     tails = [torch.randn(B, W - 1, H * D, device=dev).bfloat16() for _ in range(3)]
     conv_reset = torch.zeros(B, W, dtype=torch.bool, device=dev)
-    row("ours kda_decode_step_triton (convs + norms + step, in place)",
+    rows = {}
+    if fused_recurrent_kda is not None:
+        rows["fla fused_recurrent_kda (new final state)"] = lambda: fused_recurrent_kda(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=state, output_final_state=True)
+    rows["ours kda_step_inplace_triton (state in place)"] = (
+        lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale))
+    rows["ours kda_decode_step_triton (convs + norms + step, in place)"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale))
-    if sweep:   # launch sweep of both kernels (no register cap when a config is given)
-        for bv in (16, 32, 64, 128):
-            for warps in (1, 2, 4, 8):
-                if bv * 128 // (32 * warps) > 256:
-                    continue
-                row(f"in place, block_v={bv}, {warps} warps",
-                    lambda bv=bv, warps=warps: kda_decode_triton.kda_step_inplace_triton(
-                        q, k, v, g, beta, s, scale=scale, block_v=bv, num_warps=warps))
-        for stream in (False, True):   # the default launches with and without cache hints, the fused loop pipelined
-            row(f"in place, stream={stream}", lambda stream=stream: kda_decode_triton.kda_step_inplace_triton(
-                q, k, v, g, beta, s, scale=scale, stream=stream))
-            for stages in (1, 2, 3):
-                row(f"fused, stream={stream}, {stages} stages", lambda stream=stream, stages=stages:
-                    kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
-                                                             scale=scale, stream=stream, stages=stages))
+    res = {name: [] for name in rows}
+    for _ in range(5):   # interleaved rounds: the GPU's drift (±15 % between calls) lands on every row alike
+        for name, fn in rows.items():
+            res[name].append(measure(fn, iters))
+    for name, ms_peak in res.items():
+        ms, peak = sorted(ms_peak)[2]
+        print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} | {peak:.2f} |", flush=True)
+    if sweep:   # launch sweep of both kernels (no register cap when a config is given), interleaved rounds
+        ip, fu = kda_decode_triton.kda_step_inplace_triton, kda_decode_triton.kda_decode_step_triton
+        configs = {}
+        for bv in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stream in (False, True):
+                    configs[f"in place, block_v={bv}, {warps} warps, stream={stream}"] = (
+                        lambda bv=bv, warps=warps, stream=stream: ip(q, k, v, g, beta, s, scale=scale, block_v=bv,
+                                                                     num_warps=warps, stream=stream))
         for bv in (16, 32, 64):
             for warps in (2, 4, 8):
-                row(f"fused, block_v={bv}, {warps} warps",
-                    lambda bv=bv, warps=warps: kda_decode_triton.kda_decode_step_triton(
-                        *raw, *weights, *tails, conv_reset, g, beta, s, scale=scale, block_v=bv, num_warps=warps))
+                for stream in (False, True):
+                    configs[f"fused, block_v={bv}, {warps} warps, stream={stream}"] = (
+                        lambda bv=bv, warps=warps, stream=stream: fu(*raw, *weights, *tails, conv_reset, g, beta, s,
+                                                                     scale=scale, block_v=bv, num_warps=warps,
+                                                                     stream=stream))
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        for _ in range(3):   # rounds over all configs: the GPU's drift lands on every config alike
+            for name, fn in configs.items():
+                times[name].append(measure(fn, iters)[0])
+        print("\nsweep, median of 3 interleaved rounds\n| launch | us | TB/s |\n|---|---|---|", flush=True)
+        for name, ts in sorted(times.items(), key=lambda kv: sorted(kv[1])[1]):
+            ms = sorted(ts)[1]
+            print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} |", flush=True)
 
 
 def main() -> None:
