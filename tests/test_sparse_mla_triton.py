@@ -145,13 +145,41 @@ def test_release_widths(dtype):
     _check_against_reference(q, lat, _selection(1, 2, 90, 70), do, dlse, scale=192 ** -0.5, d_v=512)
 
 
-def test_slot_major_at_release_widths():
-    """The transposed kernels at 96 x 576 / 512 in bf16, in the tiles proposed for the H200 (64 slots a step)."""
+@pytest.mark.parametrize("bwd_cfg", [
+    Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_slot_major=True, dkv_block_k=64, dkv_block_h=32),
+    Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_gemm=True, gemm_block_k=128),
+], ids=["dkv-sm", "dkv-gemm"])
+def test_slot_major_at_release_widths(bwd_cfg):
+    """The transposed kernels at 96 x 576 / 512 in bf16, in the tiles proposed for the H200 (64 slots a step), with
+    the recomputing dkv kernel and with the GEMM over the stored ds, p."""
     q, lat, do, dlse = _inputs(1, 2, 96, 90, 576, 512, torch.bfloat16)
     _check_against_reference(q, lat, _selection(1, 2, 90, 70), do, dlse, scale=192 ** -0.5, d_v=512,
-                             fwd_cfg=F(heads=(32, 32, 32), block_k=64, slot_major=True),
-                             bwd_cfg=Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_slot_major=True,
-                                        dkv_block_k=64, dkv_block_h=32))
+                             fwd_cfg=F(heads=(32, 32, 32), block_k=64, slot_major=True), bwd_cfg=bwd_cfg)
+
+
+@pytest.mark.parametrize("bwd_cfg, deterministic", [
+    (Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_gemm=True, gemm_block_k=16, gemm_block_n=16,
+        gemm_block_j=32), False),
+    (Bw(heads=(64, 32), block_k=32, dkv_gemm=True, gemm_block_k=32, gemm_block_n=32, gemm_rows=2), True),
+    (Bw(heads=(16,) * 6, block_k=16, slot_major=True, dkv_gemm=True, gemm_block_k=64, gemm_block_j=16,
+        gemm_rows=1), False),
+    (Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_gemm=True, gemm_cols=True, gemm_block_k=16,
+        gemm_block_n=16), False),
+    (Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_gemm=True, gemm_cols=True, gemm_cols_dq=True,
+        gemm_block_k=16, gemm_block_n=16, gemm_rows=2), False),
+    (Bw(heads=(64, 32), block_k=32, dkv_gemm=True, gemm_cols=True, gemm_cols_dq=True, gemm_block_k=64,
+        gemm_rows=2), True),
+], ids=["32x3,blocks16", "64+32,chunks2,deterministic", "16x6,chunks1", "cols,blocks16", "cols-dq,chunks2",
+        "cols-dq,deterministic"])
+def test_dkv_gemm_matches(bwd_cfg, deterministic):
+    """dlatent from the ds and p the dq kernels store (`dkv_gemm`): value and tail column blocks narrower and wider
+    than the widths, stacked-head steps that split [ds | p] inside and across its halves, chunks of one and two
+    queries (a buffer reused), atomic and deterministic; the kernel walking the columns of a slot block
+    (`gemm_cols`), also adding dq's share by atomics (`gemm_cols_dq`: the dq kernels store ds and p only; the
+    deterministic path keeps the dq kernel's dq)."""
+    q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
+    _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, bwd_cfg=bwd_cfg,
+                             deterministic=deterministic)
 
 
 @settings(max_examples=12)
@@ -160,12 +188,14 @@ def test_slot_major_at_release_widths():
        widest=st.sampled_from([16, 32, 64]), split_v=st.sampled_from([1, 2]), splits=st.integers(1, 4),
        dkv=st.sampled_from([(16, 16, False), (32, 32, False), (64, 16, False), (16, 16, True)]),
        deterministic=st.booleans(), slot_major=st.booleans(), dkv_slot_major=st.booleans(),
+       gemm=st.sampled_from([None, (16, 16, 16, None, ""), (32, 64, 32, 2, ""), (64, 16, 64, None, ""),
+                             (16, 16, 16, None, "cols"), (32, 64, 16, 2, "cols-dq"), (64, 16, 16, None, "cols-dq")]),
        layout=st.sampled_from(["holes", "prefix"]), seed=st.integers(0, 2**31 - 1))
 def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, split_v, splits, dkv, deterministic,
-                                    slot_major, dkv_slot_major, layout, seed):
+                                    slot_major, dkv_slot_major, gemm, layout, seed):
     """Drawn shapes (a latent without a tail included) under drawn launches: head tiles, key blocks, value splits,
-    key splits, dkv tiles or the fused dlatent, atomic or deterministic, default or transposed (`slot_major`)
-    kernels."""
+    key splits, dkv tiles, the fused dlatent or the GEMM over stored ds, p (its blocks, chunks and column walk),
+    atomic or deterministic, default or transposed (`slot_major`) kernels."""
     torch.manual_seed(seed)
     D, d_v = widths
     # with an LSE gradient: without one, rows of a single key have dq = 0 up to rounding (nothing to compare)
@@ -176,7 +206,12 @@ def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, spli
                              fwd_cfg=F(heads=heads, block_k=block_k, split_v=split_v, splits=splits,
                                        slot_major=slot_major),
                              bwd_cfg=Bw(heads=heads, block_k=block_k, dkv_block_k=dkv[0], dkv_block_h=dkv[1],
-                                        fused_dkv=dkv[2], slot_major=slot_major, dkv_slot_major=dkv_slot_major),
+                                        fused_dkv=dkv[2], slot_major=slot_major, dkv_slot_major=dkv_slot_major,
+                                        **({} if gemm is None else dict(dkv_gemm=True, gemm_block_k=gemm[0],
+                                                                        gemm_block_n=gemm[1], gemm_block_j=gemm[2],
+                                                                        gemm_rows=gemm[3],
+                                                                        gemm_cols=gemm[4].startswith("cols"),
+                                                                        gemm_cols_dq=gemm[4] == "cols-dq"))),
                              deterministic=deterministic)
 
 
@@ -348,10 +383,17 @@ def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
     (F(heads=(64, 32), block_k=64, slot_major=True),
      Bw(heads=(32, 32, 32), block_k=32, num_warps=4, dkv_slot_major=True, dkv_block_k=32, dkv_block_h=32,
         dkv_num_warps=8)),
-], ids=["sm8w,dkv64x16", "sm4w,dq-sm64,dkv64x32", "fwd64+32,dkv32x32-8w"])
+    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_block_k=128,
+        dkv_num_warps=8, gemm_rows=100)),
+    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_cols=True,
+        gemm_cols_dq=True, gemm_block_k=128, gemm_block_n=64, gemm_rows=100)),
+], ids=["sm8w,dkv64x16", "sm4w,dq-sm64,dkv64x32", "fwd64+32,dkv32x32-8w", "dkv-gemm128", "cols-dq"])
 def test_cuda_slot_major_launches_compile_and_match(fwd_cfg, bwd_cfg):
     """The transposed kernels in the tiles proposed for timing (offline sm_90 compiles: no or few spills, wgmma
-    at 64 slots) fit the H200 and give the float64 result."""
+    at 64 slots) and the dlatent GEMM over stored ds, p (chunks of 100 queries; walking the columns with dq's
+    atomics) fit the H200 and give the float64 result."""
     H, D, d_v, S, k = 96, 576, 512, 4096, 2048
     q, lat, do, dlse = _inputs(1, 256, H, S, D, d_v, torch.bfloat16)
     _check_against_reference(q, lat, _causal_selection(1, 256, S, k, "cuda"), do, dlse, scale=192 ** -0.5,

@@ -42,18 +42,26 @@ read back to the host, so the launch can be captured in a CUDA graph.
   s and dp computed in both kernels (1.4× the FLOPs of a fused backward: 2·(4·D + 3·d_v) per (head, slot)
   against 2·(3·D + 2·d_v)) and q, do re-read per key block (L2). `fused_dkv=True` is the other side of that
   trade: the dq kernel adds its head tile's dkv atomically every step and the dkv kernel does not run.
+- `dkv_gemm=True`: no recomputation at all. The dq kernel also writes the ds and p it rounds for its dots
+  (q's dtype, [rows, K, 2·H]: 2·H·2 bytes a slot, a chunk of queries at a time) and `_bwd_dkv_gemm_kernel`, per
+  (query, block of slots, block of columns), forms dkv = [ds | p]·[q; do] (K = 2·H stacked heads) over the value
+  columns and ds·q over the tail, then the same fp32 atomics (or the deterministic per-slot rows). The FLOPs are
+  the minimal 2·(3·D + 2·d_v) per (head, slot); the price is the buffer's write and read (the default in
+  16-bit). Variants: `gemm_cols`, one program per (query, slot block) holding its ds, p and walking the columns
+  (each buffer element read once); `gemm_cols_dq`, that walk also adding dq's share dsᵀ·kv by fp32 atomics, so
+  the dq kernel only computes and stores ds, p.
 - `deterministic=True`: the dkv kernel writes each (query, slot)'s row to an fp32 buffer instead (queries in
   chunks of at most 2^28 elements, as the reference's blocks), the chunk's slots are sorted by key (stable), and
   `_dkv_reduce_kernel` (one program per latent row) sums its run in that fixed order and adds it to the row;
   chunks run in order. Bitwise reproducible, at twice the dkv memory traffic plus a sort per chunk.
 
-**Transposed kernels** (`slot_major`, `dkv_slot_major`: the backward's default in 16-bit, opt-in for the
+**Transposed kernels** (`slot_major`: the dq kernel's default in 16-bit; `dkv_slot_major`; opt-in for the
 forward). A head tile of 32 rows is below wgmma's M of 64 a warpgroup, so the kernels above run mma.sync at 32
 heads; `_fwd_kernel_sm`, `_bwd_dq_kernel_sm` and `_bwd_dkv_kernel_sm` put the slots on M instead (s^T = kv·q^T),
 with q^T, p^T, ds^T as shared-memory operands. The dkv one stages q and do as one interleaved tile so that its
 accumulator is updated by a single dot (two chained dots get different layouts at 8 warps). Same contract and
-numerics up to fp32 summation order. On the H200 the transposed backward takes 64.9 ms at T = 8K (74.3 ms
-untransposed); the transposed forward is slower than the default (19.7 ms against 14.3 ms at 4 warps).
+numerics up to fp32 summation order. The transposed forward is slower than the default on the H200
+(docs/performance.md).
 
 Precision: fp32 accumulation everywhere. bf16 (fp16) inputs go to the tensor cores as they are; p and ds are
 rounded to the input dtype before their second dot (as every flash kernel does), which is most of the ~1e-3
@@ -74,6 +82,8 @@ from .registry import interpreted, sm_count, tl, triton, triton_available
 LOG2E = 1.4426950408889634
 DKV_CHUNK_ELEMENTS = 1 << 28
 """The deterministic backward's per-slot buffer holds at most this many fp32 elements (1 GiB) at a time."""
+PDS_CHUNK_ELEMENTS = 1 << 28
+"""`BwdConfig.dkv_gemm`'s ds and p buffer holds at most this many elements (512 MiB in bf16) at a time."""
 
 if triton is not None:
     @triton.jit
@@ -197,14 +207,16 @@ if triton is not None:
         return delta, tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
 
     @triton.jit
-    def _bwd_dq_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr, T, S,
-                       H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr, BK: tl.constexpr, DVP: tl.constexpr,
-                       DTP: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr, FUSED: tl.constexpr,
-                       F32: tl.constexpr):
-        # FUSED: also this head tile's share of dlatent, added atomically every step (no dkv kernel)
+    def _bwd_dq_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr, pds_ptr,
+                       row0, T, S, H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr, BK: tl.constexpr,
+                       DVP: tl.constexpr, DTP: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr,
+                       FUSED: tl.constexpr, PDS: tl.constexpr, DQ: tl.constexpr, F32: tl.constexpr):
+        # FUSED: also this head tile's share of dlatent, added atomically every step (no dkv kernel). PDS: also ds and
+        # p of every visited slot into the chunk's [rows, K, 2·H] buffer (rows from row0), for `_bwd_dkv_gemm_kernel`
         pid = tl.program_id(0).to(tl.int64)
         tile = pid % NT
-        row = pid // NT
+        local = pid // NT
+        row = row0 + local
         h = h_start + tile * BH + tl.arange(0, BH)
         hm = h < H
         qh = row * H + h
@@ -231,8 +243,15 @@ if triton is not None:
             p = tl.where(keep, tl.exp2(s * scale2 - lse2[:, None]), 0.0)
             dp = _mm(do, tl.trans(kv_v), tl.zeros([BH, BK], tl.float32), F32)
             ds = (p * (dp - delta[:, None]) * scale).to(kv_v.dtype)
-            dq_v = _mm(ds, kv_v, dq_v, F32)
-            dq_t = _mm(ds, kv_t, dq_t, F32)
+            if DQ:
+                dq_v = _mm(ds, kv_v, dq_v, F32)
+                dq_t = _mm(ds, kv_t, dq_t, F32)
+            if PDS:
+                slot = k0 + tl.arange(0, BK)
+                dst = pds_ptr + ((local * K + slot) * (2 * H))[None, :] + h[:, None]
+                pm = hm[:, None] & (slot < K)[None, :]
+                tl.store(dst, ds, mask=pm)
+                tl.store(dst + H, p.to(ds.dtype), mask=pm)
             if FUSED:
                 ds_t = tl.trans(ds)
                 dkv_v = _mm(tl.trans(p).to(kv_v.dtype), do, _mm(ds_t, q_v, tl.zeros([BK, DVP], tl.float32), F32), F32)
@@ -240,8 +259,9 @@ if triton is not None:
                 dst = dlat_ptr + kv_off[:, None]
                 tl.atomic_add(dst + cv[None, :], dkv_v, mask=valid[:, None] & (cv[None, :] < DV), sem="relaxed")
                 tl.atomic_add(dst + ct[None, :], dkv_t, mask=valid[:, None] & (ct[None, :] < D), sem="relaxed")
-        tl.store(dq_ptr + (qh * D)[:, None] + cv[None, :], dq_v.to(dq_ptr.dtype.element_ty), mask=m_v)
-        tl.store(dq_ptr + (qh * D)[:, None] + ct[None, :], dq_t.to(dq_ptr.dtype.element_ty), mask=m_t)
+        if DQ:
+            tl.store(dq_ptr + (qh * D)[:, None] + cv[None, :], dq_v.to(dq_ptr.dtype.element_ty), mask=m_v)
+            tl.store(dq_ptr + (qh * D)[:, None] + ct[None, :], dq_t.to(dq_ptr.dtype.element_ty), mask=m_t)
 
     @triton.jit
     def _bwd_dkv_kernel(q_ptr, lat_ptr, idx_ptr, lse_ptr, do_ptr, delta_ptr, out_ptr, row0, NKB, T, S, H, K, D, DV,
@@ -348,15 +368,17 @@ if triton is not None:
         tl.store(lse_ptr + out * H + h, lse, mask=h + vb * H < H)
 
     @triton.jit
-    def _bwd_dq_kernel_sm(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr, T,
-                          S, H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr, BK: tl.constexpr,
-                          DVP: tl.constexpr, DTP: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr,
-                          FUSED: tl.constexpr, F32: tl.constexpr):
+    def _bwd_dq_kernel_sm(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr,
+                          pds_ptr, row0, T, S, H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr,
+                          BK: tl.constexpr, DVP: tl.constexpr, DTP: tl.constexpr, IB: tl.constexpr,
+                          HAS_DLSE: tl.constexpr, FUSED: tl.constexpr, PDS: tl.constexpr, DQ: tl.constexpr,
+                          F32: tl.constexpr):
         # `_bwd_dq_kernel` transposed (`slot_major`): s^T, dp^T, ds^T [BK, BH] with the slots on M, and
         # dq^T += kv^T·ds^T [D, BH]; q^T, do^T and ds^T are the dots' shared-memory B operands
         pid = tl.program_id(0).to(tl.int64)
         tile = pid % NT
-        row = pid // NT
+        local = pid // NT
+        row = row0 + local
         h = h_start + tile * BH + tl.arange(0, BH)
         hm = h < H
         qh = row * H + h
@@ -383,8 +405,15 @@ if triton is not None:
             p = tl.where(keep, tl.exp2(s * scale2 - lse2[None, :]), 0.0)
             dp = _mm(kv_v, doT, tl.zeros([BK, BH], tl.float32), F32)
             ds = (p * (dp - delta[None, :]) * scale).to(kv_v.dtype)                      # [BK, BH]
-            dqT_v = _mm(tl.trans(kv_v), ds, dqT_v, F32)
-            dqT_t = _mm(tl.trans(kv_t), ds, dqT_t, F32)
+            if DQ:
+                dqT_v = _mm(tl.trans(kv_v), ds, dqT_v, F32)
+                dqT_t = _mm(tl.trans(kv_t), ds, dqT_t, F32)
+            if PDS:     # this step's rows of the [rows, K, 2·H] buffer: ds, then p (see `_bwd_dq_kernel`)
+                slot = k0 + tl.arange(0, BK)
+                dst = pds_ptr + ((local * K + slot) * (2 * H))[:, None] + h[None, :]
+                pm = (slot < K)[:, None] & hm[None, :]
+                tl.store(dst, ds, mask=pm)
+                tl.store(dst + H, p.to(ds.dtype), mask=pm)
             if FUSED:
                 dkv_v = _mm(p.to(kv_v.dtype), tl.trans(doT),
                             _mm(ds, tl.trans(qT_v), tl.zeros([BK, DVP], tl.float32), F32), F32)
@@ -392,11 +421,13 @@ if triton is not None:
                 dst = dlat_ptr + kv_off[:, None]
                 tl.atomic_add(dst + cv[None, :], dkv_v, mask=valid[:, None] & (cv[None, :] < DV), sem="relaxed")
                 tl.atomic_add(dst + ct[None, :], dkv_t, mask=valid[:, None] & (ct[None, :] < D), sem="relaxed")
-        hs = hm & (h >= 0)              # formed here, not merged with the loads' masks (see `_fwd_kernel_sm`)
-        dst = dq_ptr + qh * D
-        tl.store(dst[None, :] + cv[:, None], dqT_v.to(dq_ptr.dtype.element_ty),
-                 mask=hs[None, :] & (cv[:, None] < DV))
-        tl.store(dst[None, :] + ct[:, None], dqT_t.to(dq_ptr.dtype.element_ty), mask=hs[None, :] & (ct[:, None] < D))
+        if DQ:
+            hs = hm & (h >= 0)          # formed here, not merged with the loads' masks (see `_fwd_kernel_sm`)
+            dst = dq_ptr + qh * D
+            tl.store(dst[None, :] + cv[:, None], dqT_v.to(dq_ptr.dtype.element_ty),
+                     mask=hs[None, :] & (cv[:, None] < DV))
+            tl.store(dst[None, :] + ct[:, None], dqT_t.to(dq_ptr.dtype.element_ty),
+                     mask=hs[None, :] & (ct[:, None] < D))
 
     @triton.jit
     def _bwd_dkv_kernel_sm(q_ptr, lat_ptr, idx_ptr, lse_ptr, do_ptr, delta_ptr, out_ptr, row0, NKB, T, S, H, K, D,
@@ -454,6 +485,99 @@ if triton is not None:
             e = local * K + slot
             tl.store(out_ptr + (e * D)[:, None] + cv[None, :], acc_v, mask=m_v)
             tl.store(out_ptr + (e * D)[:, None] + ct[None, :], acc_t, mask=m_t)
+
+    @triton.jit
+    def _bwd_dkv_gemm_kernel(pds_ptr, q_ptr, do_ptr, idx_ptr, out_ptr, row0, NKB, NCB, c_lo, c_hi, J, T, S, H, K, D,
+                             DV, BK: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, ATOMIC: tl.constexpr,
+                             F32: tl.constexpr):
+        # dlatent of BK slots of one query over the columns [c_lo, c_hi), from the dq kernels' ds and p (`PDS`):
+        #   dkv[slot, c] = Σ_j a[slot, j] · b[j, c],   a = [ds | p] (a row of the [rows, K, 2·H] buffer),
+        #                                               b = [q; do] (rows j < H: q of head j, else do of head j − H)
+        # over j < J: 2·H for value columns, H for the tail (no do there). No scores are recomputed.
+        # program -> (row = row0 + local, key block, column block), column block fastest (they share a, then b)
+        pid = tl.program_id(0).to(tl.int64)
+        cb = pid % NCB
+        rest = pid // NCB
+        kb = rest % NKB
+        local = rest // NKB
+        row = row0 + local
+        slot = kb * BK + tl.arange(0, BK)
+        ix = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
+        valid = (ix >= 0) & (ix < S)
+        key = row // T * S + tl.where(valid, ix, 0).to(tl.int64)
+        c = c_lo + cb * BN + tl.arange(0, BN)
+        cm = c < c_hi
+        a_row = pds_ptr + (local * K + slot) * (2 * H)
+        acc = tl.zeros([BK, BN], tl.float32)
+        for j0 in range(0, tl.where(tl.max(valid.to(tl.int32), 0) > 0, J, 0), BJ):    # empty blocks skip
+            j = j0 + tl.arange(0, BJ)
+            jm = j < J
+            a = tl.load(a_row[:, None] + j[None, :], mask=valid[:, None] & jm[None, :], other=0.0)
+            src = tl.where(j < H, q_ptr + (row * H + j) * D, do_ptr + (row * H + j - H) * DV)
+            b = tl.load(src[:, None] + c[None, :], mask=jm[:, None] & cm[None, :], other=0.0)
+            acc = _mm(a, b, acc, F32)
+        ok = valid & (slot >= 0)        # formed here in their own terms (see `_fwd_kernel_sm`)
+        om = ok[:, None] & (c[None, :] < c_hi)
+        if ATOMIC:
+            tl.atomic_add(out_ptr + (key * D)[:, None] + c[None, :], acc, mask=om, sem="relaxed")
+        else:
+            tl.store(out_ptr + ((local * K + slot) * D)[:, None] + c[None, :], acc, mask=om)
+
+    @triton.jit
+    def _bwd_dkv_gemm_cols_kernel(pds_ptr, q_ptr, do_ptr, lat_ptr, idx_ptr, out_ptr, dq_ptr, row0, NKB, T, S, H, K, D,
+                                  DV, BK: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, HP: tl.constexpr,
+                                  DQ: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr):
+        # `_bwd_dkv_gemm_kernel` with one program per (row, block of BK slots) walking the columns: its ds and p
+        # (all heads, padded to HP) are loaded once and stay in shared memory; per block of BN value columns
+        # dkv = ds·q + p·do, then the tail's BT-wide blocks dkv = ds·q. DQ: also dq's share of these slots,
+        # dsᵀ·kv over the same columns (the gathered latent), added into the fp32 [rows, H, D] buffer dq_ptr
+        pid = tl.program_id(0).to(tl.int64)
+        kb = pid % NKB
+        local = pid // NKB
+        row = row0 + local
+        slot = kb * BK + tl.arange(0, BK)
+        ix = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
+        valid = (ix >= 0) & (ix < S)
+        kv_off = (row // T * S + tl.where(valid, ix, 0).to(tl.int64)) * D
+        hh = tl.arange(0, HP)
+        hm = hh < H
+        qh = row * H + hh
+        a_row = pds_ptr + (local * K + slot) * (2 * H)
+        am = valid[:, None] & hm[None, :]
+        ds = tl.load(a_row[:, None] + hh[None, :], mask=am, other=0.0)                          # [BK, HP]
+        p = tl.load(a_row[:, None] + H + hh[None, :], mask=am, other=0.0)
+        some = tl.max(valid.to(tl.int32), 0) > 0                                                # else: no work
+        for c0 in range(0, tl.where(some, DV, 0), BN):
+            c = c0 + tl.arange(0, BN)
+            cm = c < DV
+            qb = tl.load(q_ptr + (qh * D)[:, None] + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+            dob = tl.load(do_ptr + (qh * DV)[:, None] + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+            acc = _mm(p, dob, _mm(ds, qb, tl.zeros([BK, BN], tl.float32), F32), F32)
+            om = valid[:, None] & cm[None, :]
+            if ATOMIC:
+                tl.atomic_add(out_ptr + kv_off[:, None] + c[None, :], acc, mask=om, sem="relaxed")
+            else:
+                tl.store(out_ptr + ((local * K + slot) * D)[:, None] + c[None, :], acc, mask=om)
+            if DQ:
+                kv = tl.load(lat_ptr + kv_off[:, None] + c[None, :], mask=om, other=0.0)
+                tl.atomic_add(dq_ptr + ((local * H + hh) * D)[:, None] + c[None, :],
+                              _mm(tl.trans(ds), kv, tl.zeros([HP, BN], tl.float32), F32),
+                              mask=hm[:, None] & cm[None, :], sem="relaxed")
+        for c0 in range(DV, tl.where(some, D, DV), BT):
+            c = c0 + tl.arange(0, BT)
+            cm = c < D
+            qb = tl.load(q_ptr + (qh * D)[:, None] + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+            acc = _mm(ds, qb, tl.zeros([BK, BT], tl.float32), F32)
+            om = valid[:, None] & cm[None, :]
+            if ATOMIC:
+                tl.atomic_add(out_ptr + kv_off[:, None] + c[None, :], acc, mask=om, sem="relaxed")
+            else:
+                tl.store(out_ptr + ((local * K + slot) * D)[:, None] + c[None, :], acc, mask=om)
+            if DQ:
+                kv = tl.load(lat_ptr + kv_off[:, None] + c[None, :], mask=om, other=0.0)
+                tl.atomic_add(dq_ptr + ((local * H + hh) * D)[:, None] + c[None, :],
+                              _mm(tl.trans(ds), kv, tl.zeros([HP, BT], tl.float32), F32),
+                              mask=hm[:, None] & cm[None, :], sem="relaxed")
 
     @triton.jit
     def _dkv_reduce_kernel(part_ptr, order_ptr, starts_ptr, ends_ptr, dlat_ptr, D, BR: tl.constexpr,
@@ -521,10 +645,32 @@ class BwdConfig:
     """Run `_bwd_dkv_kernel_sm`: the dkv kernel with the slots on M and q, do interleaved in one tile, so that
     scores and dp are one dot and dsᵀ q_v + pᵀ do another (K = 2·dkv_block_h). dkv_block_k = 64 then runs on
     wgmma at 8 warps (the default kernel spills 12 KB a thread there)."""
+    dkv_gemm: bool = False
+    """dlatent without recomputing the scores: the dq kernels also store ds and p (q's dtype, a chunk of queries
+    at a time: `gemm_rows`, or by `PDS_CHUNK_ELEMENTS`) and `_bwd_dkv_gemm_kernel` forms [ds | p]·[q; do] from
+    them, the minimal FLOPs of a backward (2·(3·D + 2·d_v) per head and slot) for a buffer round trip of
+    2·H·2 bytes per slot; replaces the dkv kernel (`dkv_block_*`, `dkv_slot_major` unused); ignored with
+    `fused_dkv`."""
+    gemm_block_k: int = 64
+    """Slots per program of the dkv GEMM (its M)."""
+    gemm_block_n: int = 128
+    """Latent columns per program of the dkv GEMM (the tail, D − d_v columns, has programs of its own)."""
+    gemm_block_j: int = 64
+    """Stacked heads per step of the dkv GEMM (its K: 2·H for the value columns, H for the tail)."""
+    gemm_cols: bool = False
+    """Run `_bwd_dkv_gemm_cols_kernel`: one program per (query, block of `gemm_block_k` slots) walking the
+    columns, its ds and p (all heads, padded to a power of two) held in shared memory: each ds, p element is
+    read once, q and do once per slot block (`gemm_block_j` unused)."""
+    gemm_cols_dq: bool = False
+    """With `gemm_cols` (and not deterministic): the dq kernels only store ds and p, and the walk over the
+    columns also adds dq's share of its slots, dsᵀ·kv, by fp32 atomics into a [rows, H, D] buffer (gathering
+    each selected latent row once for all heads)."""
+    gemm_rows: int | None = None
+    """Queries per chunk of the dkv GEMM path (None: as many as `PDS_CHUNK_ELEMENTS` allow)."""
     dkv_num_warps: int | None = None
-    """Warps of the dkv kernel (None: num_warps)."""
+    """Warps of the dkv kernel or GEMM (None: num_warps)."""
     dkv_num_stages: int | None = None
-    """Pipeline stages of the dkv kernel (None: num_stages)."""
+    """Pipeline stages of the dkv kernel or GEMM (None: num_stages)."""
     num_warps: int = 8
     num_stages: int = 2
 
@@ -544,11 +690,12 @@ def head_tiles(H: int, widest: int) -> tuple[int, ...]:
 
 def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
                dtype: torch.dtype = torch.bfloat16) -> FwdConfig:
-    """The forward's launch for a shape. 16-bit: 32-head tiles (96 heads: three, no padding), 4 warps (the
-    H200 sweep of tests/bench/sparse_tune.py: 14.3 ms at T = 8K against 21.9 ms with 8), 64 slots a step in two stages (two [64, 576] bf16 tiles of
-    gathered rows, 144 KB, fit beside q), the value columns whole. fp32 (the parity path; its IEEE dots run on FMA
-    units with fp32 operands staged in shared memory): 16-head tiles, 32 slots, one stage. Key splits when the
-    (query, head tile) programs would not fill the GPU twice over, each split at least two steps long."""
+    """The forward's launch for a shape. 16-bit: 32-head tiles (96 heads: three, no padding), 4 warps (the H200
+    sweeps of tests/bench/sparse_tune.py: faster than 8 and than 64 + 32 head tiles), 64 slots a step in two stages
+    (two [64, 576] bf16 tiles of gathered rows fit beside q), the value columns whole. fp32 (the parity path; its
+    IEEE dots run on FMA units with fp32 operands staged in shared memory): 16-head tiles, 32 slots, one stage.
+    Key splits when the (query, head tile) programs would not fill the GPU twice over, each split at least two
+    steps long."""
     if dtype == torch.float32:
         cfg = FwdConfig(heads=head_tiles(H, 16), block_k=32, num_stages=1)
     else:
@@ -563,16 +710,16 @@ def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.d
 
 def bwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
                dtype: torch.dtype = torch.bfloat16) -> BwdConfig:
-    """The backward's launch for a shape (H200 sweeps of tests/bench/sparse_tune.py at T = 8K, H = 96, top 2048).
-    16-bit: the dq kernel transposed (`slot_major`: 64 slots a step on wgmma, 32-head tiles, 4 warps) and the dkv
-    kernel transposed with q and do interleaved (`dkv_slot_major`: 64 slots a program on wgmma, 32 heads a step,
-    8 warps): 65.3 ms against 74.3 ms for the untransposed kernels (dq 32 slots a step on mma.sync, 4 warps; dkv
-    32 slots, 4 warps), whose dkv kernel spills at 64 slots and 8 warps. fp32: 16 everywhere, one stage."""
+    """The backward's launch for a shape (from the H200 sweeps of tests/bench/sparse_tune.py at T = 8K, H = 96,
+    top 2048; docs/performance.md). 16-bit: the dq kernel transposed (`slot_major`: 64 slots a step on wgmma,
+    32-head tiles, 4 warps) storing ds and p, and dlatent as the GEMM over them (`dkv_gemm`: 128 slots × 64
+    columns a program, 4 warps) instead of the kernel that recomputes the scores. fp32: the recomputing kernels,
+    16 everywhere, one stage."""
     if dtype == torch.float32:
         return BwdConfig(heads=head_tiles(H, 16), block_k=16, dkv_block_k=16, dkv_block_h=16, num_stages=1)
     wide = k > 32
     return BwdConfig(heads=head_tiles(H, 32), block_k=64 if wide else 32, slot_major=True, num_warps=4,
-                     dkv_slot_major=True, dkv_block_k=64 if wide else 32, dkv_block_h=32, dkv_num_warps=8)
+                     dkv_gemm=True, gemm_block_k=128 if wide else 32, gemm_block_n=64)
 
 
 # ---------------------------------------------------------------------------------------------- entries
@@ -710,7 +857,8 @@ def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
     S, K = latent.shape[1], indices.shape[-1]
     DVP, DTP = _widths(D, d_v)
     for name, t in (("heads", min(cfg.heads, default=0)), ("block_k", cfg.block_k), ("dkv_block_k", cfg.dkv_block_k),
-                    ("dkv_block_h", cfg.dkv_block_h)):
+                    ("dkv_block_h", cfg.dkv_block_h), ("gemm_block_k", cfg.gemm_block_k),
+                    ("gemm_block_n", cfg.gemm_block_n), ("gemm_block_j", cfg.gemm_block_j)):
         if t < 16 or t & (t - 1):
             raise ValueError(f"sparse_mla: {name} {t} must be a power of two >= 16")
     if sum(cfg.heads) < H:
@@ -727,48 +875,102 @@ def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
     delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     f32 = _f32_dots(q.dtype)
     fused = cfg.fused_dkv and not deterministic
-    for h0, bh, nt in _head_launches(cfg.heads):
-        (_bwd_dq_kernel_sm if cfg.slot_major else _bwd_dq_kernel)[(R * nt,)](
-            q, latent, indices, o, lse, do, lse if dlse is None else dlse, dq, delta, dlat, T, S, H, K, D, d_v, h0,
-            nt, scale, scale * LOG2E, BH=bh, BK=cfg.block_k, DVP=DVP, DTP=DTP, IB=_index_block(K),
-            HAS_DLSE=dlse is not None, FUSED=fused, F32=f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    gemm = cfg.dkv_gemm and not fused
+
+    def dq_pass(r0: int, r1: int, pds: Tensor | None, with_dq: bool = True):
+        """The dq kernels over the queries [r0, r1) (with `pds`: storing their ds and p there; without `with_dq`
+        nothing else: dq is left to the dlatent kernel)."""
+        for h0, bh, nt in _head_launches(cfg.heads):
+            (_bwd_dq_kernel_sm if cfg.slot_major else _bwd_dq_kernel)[((r1 - r0) * nt,)](
+                q, latent, indices, o, lse, do, lse if dlse is None else dlse, dq, delta, dlat,
+                dq if pds is None else pds, r0, T, S, H, K, D, d_v, h0, nt, scale, scale * LOG2E, BH=bh,
+                BK=cfg.block_k, DVP=DVP, DTP=DTP, IB=_index_block(K), HAS_DLSE=dlse is not None, FUSED=fused,
+                PDS=pds is not None, DQ=with_dq, F32=f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    warps = dict(num_warps=cfg.num_warps if cfg.dkv_num_warps is None else cfg.dkv_num_warps,
+                 num_stages=cfg.num_stages if cfg.dkv_num_stages is None else cfg.dkv_num_stages)
+    if gemm:
+        _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, deterministic, chunk_rows, dq_pass)
+        return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
+    dq_pass(0, R, None)
     if fused:
         return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
     NKB = triton.cdiv(K, cfg.dkv_block_k)
-    dkv = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DVP, DTP=DTP, F32=f32,
-               num_warps=cfg.num_warps if cfg.dkv_num_warps is None else cfg.dkv_num_warps,
-               num_stages=cfg.num_stages if cfg.dkv_num_stages is None else cfg.dkv_num_stages)
+    dkv = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DVP, DTP=DTP, F32=f32, **warps)
     kernel = _bwd_dkv_kernel_sm if cfg.dkv_slot_major else _bwd_dkv_kernel
     if not deterministic:
         kernel[(R * NKB,)](q, latent, indices, lse, do, delta, dlat, 0, NKB, T, S, H, K, D, d_v, scale,
                            scale * LOG2E, ATOMIC=True, **dkv)
     else:
-        _dkv_deterministic(q, latent, indices, lse, do, delta, dlat, scale, d_v, NKB, dkv, chunk_rows, kernel)
+        rows = chunk_rows or max(1, DKV_CHUNK_ELEMENTS // (K * D))
+        for r0 in range(0, R, rows):
+            r1 = min(R, r0 + rows)
+            part = torch.empty((r1 - r0) * K, D, dtype=torch.float32, device=q.device)
+            kernel[((r1 - r0) * NKB,)](q, latent, indices, lse, do, delta, part, r0, NKB, T, S, H, K, D, d_v, scale,
+                                       scale * LOG2E, ATOMIC=False, **dkv)
+            _reduce_by_key(part, indices, r0, r1, S, dlat)
     return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
 
 
-def _dkv_deterministic(q, latent, indices, lse, do, delta, dlat, scale, d_v, NKB, dkv, chunk_rows, kernel):
-    """dlatent without atomics: per chunk of queries, every (query, slot)'s gradient row into a buffer, the
-    chunk's valid slots sorted by key (stable: query order within a key), each key's run summed in that order
-    and added to its row. Static shapes, no host reads."""
+def _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, deterministic, chunk_rows, dq_pass):
+    """dlatent from stored ds and p (`BwdConfig.dkv_gemm`): per chunk of queries, the dq kernels write ds and p of
+    every visited slot to a [rows, K, 2·H] buffer in q's dtype (the values the recomputing dkv kernels round to
+    before their dots), then `_bwd_dkv_gemm_kernel` forms [ds | p]·[q; do] over the value columns and ds·q over
+    the tail (or `_bwd_dkv_gemm_cols_kernel` both, with `gemm_cols_dq` dq's share too), added atomically (or,
+    deterministic, written per slot and reduced by key)."""
     B, T, H, D = q.shape
     S, K = latent.shape[1], indices.shape[-1]
     R = B * T
-    rows = chunk_rows or max(1, DKV_CHUNK_ELEMENTS // (K * D))
-    flat = indices.view(R, K)
-    nkeys = B * S
-    BC = min(128, triton.next_power_of_2(D))
-    every_key = torch.arange(nkeys, device=q.device)
+    budget = max(1, PDS_CHUNK_ELEMENTS // (K * 2 * H))
+    if deterministic:
+        budget = min(budget, max(1, DKV_CHUNK_ELEMENTS // (K * D)))
+    rows = chunk_rows or cfg.gemm_rows or budget
+    pds = q.new_empty(min(rows, R) * K * 2 * H)
+    dq_atomic = cfg.gemm_cols and cfg.gemm_cols_dq and not deterministic
+    dq32 = torch.empty(min(rows, R), H, D, dtype=torch.float32, device=q.device) if dq_atomic else None
+    BK = cfg.gemm_block_k
+    NKB = triton.cdiv(K, BK)
+    DVP, DTP = _widths(D, d_v)
+    # (first column, end, column block, stacked heads j): the value columns take [ds | p]·[q; do], the tail ds·q
+    parts = [(0, d_v, min(cfg.gemm_block_n, DVP), 2 * H)] + ([(d_v, D, min(cfg.gemm_block_n, DTP), H)] if D > d_v
+                                                              else [])
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
-        part = torch.empty((r1 - r0) * K, D, dtype=torch.float32, device=q.device)
-        kernel[((r1 - r0) * NKB,)](q, latent, indices, lse, do, delta, part, r0, NKB, T, S, H, K, D, d_v, scale,
-                                   scale * LOG2E, ATOMIC=False, **dkv)
-        idx = flat[r0:r1].long()
-        b = torch.arange(r0, r1, device=q.device) // T
-        keys = torch.where((idx >= 0) & (idx < S), b[:, None] * S + idx, nkeys).flatten()
-        keys, order = torch.sort(keys, stable=True)
-        starts = torch.searchsorted(keys, every_key)
-        ends = torch.searchsorted(keys, every_key, right=True)
-        _dkv_reduce_kernel[(nkeys, triton.cdiv(D, BC))](part, order, starts, ends, dlat, D, BR=16, BC=BC,
-                                                        num_warps=4)
+        dq_pass(r0, r1, pds, not dq_atomic)
+        out = dlat if not deterministic else torch.empty((r1 - r0) * K, D, dtype=torch.float32, device=q.device)
+        if cfg.gemm_cols:
+            if dq_atomic:
+                dq32.zero_()
+            _bwd_dkv_gemm_cols_kernel[((r1 - r0) * NKB,)](
+                pds, q, do, latent, indices, out, dq32 if dq_atomic else dq, r0, NKB, T, S, H, K, D, d_v, BK=BK,
+                BN=min(cfg.gemm_block_n, DVP), BT=min(cfg.gemm_block_n, DTP), HP=max(16, triton.next_power_of_2(H)),
+                DQ=dq_atomic, ATOMIC=not deterministic, F32=f32, **warps)
+            if dq_atomic:
+                dq.view(R, H, D)[r0:r1] = dq32[:r1 - r0]
+        else:
+            for c_lo, c_hi, bn, J in parts:
+                ncb = triton.cdiv(c_hi - c_lo, bn)
+                _bwd_dkv_gemm_kernel[((r1 - r0) * NKB * ncb,)](
+                    pds, q, do, indices, out, r0, NKB, ncb, c_lo, c_hi, J, T, S, H, K, D, d_v, BK=BK, BN=bn,
+                    BJ=cfg.gemm_block_j, ATOMIC=not deterministic, F32=f32, **warps)
+        if deterministic:
+            _reduce_by_key(out, indices, r0, r1, S, dlat)
+
+
+def _reduce_by_key(part, indices, r0, r1, S, dlat):
+    """The deterministic dlatent's reduction of one chunk of queries [r0, r1): `part` holds every (query, slot)'s
+    gradient row; the chunk's valid slots are sorted by key (stable: query order within a key), each key's run
+    summed in that order and added to its row. Static shapes, no host reads."""
+    B, T, K = indices.shape
+    D = dlat.shape[-1]
+    nkeys = B * S
+    BC = min(128, triton.next_power_of_2(D))
+    idx = indices.view(B * T, K)[r0:r1].long()
+    b = torch.arange(r0, r1, device=idx.device) // T
+    keys = torch.where((idx >= 0) & (idx < S), b[:, None] * S + idx, nkeys).flatten()
+    keys, order = torch.sort(keys, stable=True)
+    every_key = torch.arange(nkeys, device=idx.device)
+    starts = torch.searchsorted(keys, every_key)
+    ends = torch.searchsorted(keys, every_key, right=True)
+    _dkv_reduce_kernel[(nkeys, triton.cdiv(D, BC))](part, order, starts, ends, dlat, D, BR=16, BC=BC, num_warps=4)
+

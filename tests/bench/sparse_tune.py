@@ -22,8 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kimi.ops import indexer_triton as it  # noqa: E402
 from kimi.ops import sparse_mla_triton as sm  # noqa: E402
+from kimi.ops.sparse_attention import sparse_mla_gather  # noqa: E402
 from kimi.ops.registry import sm_count  # noqa: E402
 from sparse_kernels import attention_inputs, measure, rel  # noqa: E402
+
+
+def short(cfg) -> str:
+    """A launch configuration by the fields that differ from their defaults (the head tiles always)."""
+    if not dataclasses.is_dataclass(cfg):
+        return str(cfg)
+    more = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+            if f.name != "heads" and getattr(cfg, f.name) != f.default]
+    return f"{type(cfg).__name__}({', '.join([str(cfg.heads)] + more)})"
 
 
 def sweep(name, configs, run, check):
@@ -31,16 +41,33 @@ def sweep(name, configs, run, check):
     for cfg in configs:
         try:
             ms = measure(lambda: run(cfg), 3)[0]
-            print(f"| {cfg} | {ms:.2f} | {check(run(cfg))} |", flush=True)
+            print(f"| {short(cfg)} | {ms:.2f} | {check(run(cfg))} |", flush=True)
         except Exception as e:   # a configuration that does not compile or fit: report it, go on
-            print(f"| {cfg} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |", flush=True)
+            print(f"| {short(cfg)} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |", flush=True)
             torch.cuda.empty_cache()
+
+
+def kernel_times(name, fn, iters=3):
+    """CUDA time per kernel name of `fn` (averaged over `iters` calls after a warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n{name}\n| kernel | ms a call | calls a call |\n|---|---|---|")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total > 0:
+            print(f"| {e.key[:70]} | {e.device_time_total / iters / 1e3:.2f} | {e.count / iters:g} |", flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--parts", nargs="*", default=["fwd", "bwd", "indexer"])
+    ap.add_argument("--profile", action="store_true",
+                    help="first the backward's time per kernel (torch.profiler) for its first three rows")
+    ap.add_argument("--bwd-rows", default=":", help="a slice of the backward's rows, e.g. 0:10 (default: all)")
     a = ap.parse_args()
     T, H, k, DV = a.tokens, 96, 2048, 512
     dev = torch.device("cuda")
@@ -51,22 +78,34 @@ def main():
     if "fwd" in a.parts:
         ref = sm.sparse_mla_fwd_triton(q, lat, idx, scale=scale, d_v=DV)[0]
         f = functools.partial(dataclasses.replace, F(t32, block_k=64, num_warps=4, num_stages=2))
-        configs = [f(), f(num_warps=8), f(heads=t64, num_warps=8), f(slot_major=True), f(slot_major=True, num_warps=8),
-                   f(heads=t64, slot_major=True, num_warps=8), f(heads=t64, block_k=32, split_v=2, num_warps=8)]
+        configs = [f(), f(heads=t64, num_warps=8), f(slot_major=True), f(slot_major=True, num_warps=8),
+                   f(heads=t64, block_k=32, split_v=2, num_warps=8)]
         sweep(f"forward, T = {T:,}", configs,
               lambda c: sm.sparse_mla_fwd_launch(q, lat, idx, scale=scale, d_v=DV, cfg=c)[0],
               lambda o: f"{rel(o, ref):.1e}")
-    if "bwd" in a.parts:
-        o, lse = sm.sparse_mla_fwd_triton(q, lat, idx, scale=scale, d_v=DV)
+    if "bwd" in a.parts:    # o, lse from the torch reference: no forward kernel to compile for a backward sweep
+        with torch.no_grad():
+            o, lse = sparse_mla_gather(q, lat, idx, scale=scale, d_v=DV)
         ref = sm.sparse_mla_bwd_triton(q, lat, idx, o, lse, do, None, scale=scale, d_v=DV)
         base = B(t32, num_warps=4)
         r = functools.partial(dataclasses.replace, base)
         dq64 = dict(block_k=64, slot_major=True)
         dkv64 = dict(dkv_slot_major=True, dkv_block_k=64, dkv_block_h=32, dkv_num_warps=8)
-        configs = [base, r(**dq64), r(**dkv64), r(**dq64, **dkv64), r(**dq64, dkv_block_h=16),
-                   r(**dq64, **{**dkv64, "dkv_block_h": 16}), r(block_k=64, slot_major=True, num_warps=8, **dkv64)]
-        sweep(f"backward, T = {T:,}", configs,
-              lambda c: sm.sparse_mla_bwd_launch(q, lat, idx, o, lse, do, None, scale=scale, d_v=DV, cfg=c),
+        g = functools.partial(r, **dq64, dkv_gemm=True)     # dlatent from the stored ds, p (no recomputed scores)
+        now = sm.bwd_config(1, T, H, k, 576, DV, dev)
+        c = functools.partial(dataclasses.replace, now, gemm_cols=True)     # ds, p held, the columns walked
+        configs = [now, r(**dq64, **dkv64), c(), c(gemm_cols_dq=True), g(),
+                   c(dkv_num_warps=8), c(gemm_block_k=64), c(dkv_num_stages=3), c(gemm_block_k=64, gemm_rows=2048),
+                   c(gemm_cols_dq=True, dkv_num_warps=8), c(gemm_cols_dq=True, gemm_block_k=64),
+                   c(gemm_cols_dq=True, slot_major=False, block_k=32), c(gemm_cols_dq=True, num_stages=3),
+                   c(gemm_cols_dq=True, gemm_rows=2048)]
+        lo, hi = (int(x) if x else None for x in a.bwd_rows.split(":"))
+        configs = configs[lo:hi]
+        run = lambda c: sm.sparse_mla_bwd_launch(q, lat, idx, o, lse, do, None, scale=scale, d_v=DV, cfg=c)
+        if a.profile:       # first: the kernels compiled here are reused by the sweep
+            for c in configs[:3]:
+                kernel_times(f"backward kernels, {short(c)}", lambda: run(c))
+        sweep(f"backward, T = {T:,}", configs, run,
               lambda g: f"dq {rel(g[0], ref[0]):.1e}, dlatent {rel(g[1], ref[1]):.1e}")
     if "indexer" in a.parts:
         qi = torch.randn(1, T, 64, 128, device=dev).bfloat16()
