@@ -26,9 +26,11 @@ def _config(**changes) -> "it.IndexerLaunch":
     return base._replace(**changes)
 
 
-SMALL = [_config(block_q=1, block_k=16, chunk=16, programs=1), _config(block_q=2, programs=5, histogram=True)]
-"""One query a program with 16-entry chunks (one persistent program for every query), and two queries a program
-over five programs; None below is the configuration `indexer_topk_triton` chooses."""
+SMALL = [_config(block_q=1, block_k=16, chunk=16, programs=1, scan_counts=False),
+         _config(block_q=2, programs=5, histogram=True, histogram_compactions=True, move_stages=2)]
+"""One query a program with 16-entry chunks (one persistent program for every query, selecting by trial keys),
+and two queries a program over five programs, selecting by histograms; None below is the configuration
+`indexer_topk_triton` chooses (the final selection by histograms)."""
 PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30)]
 
 
@@ -108,7 +110,8 @@ def test_exact_on_cached_and_arbitrary_ranges(config):
 def test_exact_through_many_compactions(order):
     """S far above the buffer: with scores increasing along the keys every key enters and the buffer is compacted
     every block; decreasing, nothing enters after the first topk; constant, every score ties and the first topk
-    candidates win; random, a few compactions. Queries start at different keys (no key block alignment)."""
+    candidates win; random, a few compactions. Queries start at different keys (no key block alignment). The
+    histogram selection meets there its fallbacks (a K-th key's bin too large to copy behind the entries)."""
     B, T, S, n, d = 1, 5, 192, 2, 16
     q, k, w = _inputs(B, T, S, n, d)
     s = torch.arange(S, device=DEVICE, dtype=torch.float32)
@@ -117,7 +120,8 @@ def test_exact_through_many_compactions(order):
         k = {"increasing": s, "decreasing": S - s, "constant": torch.ones_like(s)}[order][None, :, None].expand(B, S, d)
     lo = torch.randint(0, 30, (B, T), device=DEVICE)
     hi = torch.full((B, T), S, device=DEVICE)
-    for topk, config in ((5, _config(block_k=16, chunk=16)), (37, None)):
+    hist = _config(block_k=16, chunk=16, histogram=True, histogram_compactions=True, histogram_bins=16)
+    for topk, config in ((5, _config(block_k=16, chunk=16)), (37, None), (11, hist)):
         assert it._capacity(topk, 32 if config is None else 16, S) < S - 30     # compactions are needed
         _assert_exact(q, k.contiguous(), w, lo, hi, topk, False, config)
 
@@ -134,11 +138,13 @@ def test_exact_final_selection_over_distinct_scores(capacity, histogram):
     lo = torch.randint(0, 20, (B, T), device=DEVICE)
     hi = torch.full((B, T), S, device=DEVICE)
     for topk in (7, 40):
-        _assert_exact(q, k.contiguous(), w, lo, hi, topk, False, _config(capacity=capacity, histogram=histogram))
+        _assert_exact(q, k.contiguous(), w, lo, hi, topk, False,
+                      _config(capacity=capacity, histogram=histogram, histogram_compactions=histogram))
 
 
 DECODE = [(None, 5), (None, 300), (_config(split=32, block_k=16, chunk=16, merge_block=16), 5),
-          (_config(split=32, block_k=16, chunk=16, merge_block=16), 50), (_config(split=96, merge_block=128), 50)]
+          (_config(split=32, block_k=16, chunk=16, merge_block=16, histogram=True, histogram_compactions=True), 50),
+          (_config(split=96, merge_block=128), 50)]
 
 
 @pytest.mark.parametrize("T", [1, 3])

@@ -18,7 +18,9 @@ equal keys). Every real key is above INT32_MIN, the "no threshold" value.
 
 **Streaming top-k.** Each query has a buffer of CAP >= topk + BN (key, position) pairs and a threshold. A scored
 key enters when it is a candidate and its key is strictly above the threshold, appended after the buffer's
-`count` entries (an exclusive prefix sum over the keep mask), so the buffer stays in ascending position order. The
+`count` entries (an exclusive prefix sum over the keep mask), so the buffer stays in ascending position order; the
+new counts are the prefix sums' last entries (`scan_counts`), which keeps the counts, and with them every pass of
+the selection, out of the score tile's layout (replicated over each lane quad: four times the work a pass). The
 keys are scored in segments of blocks that cannot overflow any buffer of the block (so the scoring loop has no
 branch and its key loads are software-pipelined); between segments a buffer holding more than CAP - BN entries
 is compacted *loosely*: a key V with K <= #(keys >= V) <= K + SLACK is searched (SLACK = half the room left), every
@@ -28,8 +30,11 @@ buffer (chunks folded elementwise, one cross-thread reduction a pass, loads pipe
 present, and two of every three trials interpolate between the bounds' counts, the third bisects. At the end the
 buffer is compacted loosely to topk + topk/4, then exactly: the topk-th largest key V, every entry above it and,
 of those equal to V, the earliest up to topk in total; positions are already ascending; the row is padded with -1.
-(`histogram=True` does the exact selection in fewer passes: two histograms locate a bin of about cnt / 256^2 keys
-holding V, those keys are copied behind the row's entries and searched alone.)
+With `histogram` (the prefill's default launch) the final selection takes fewer passes: two histograms of the
+keys' place above the row's least key (256 power-of-two bins, then 256 within the K-th key's bin; shifts, no
+division) locate a bin of about cnt / 256^2 keys holding V, those keys are copied behind the row's entries and
+searched alone (`histogram_compactions`: the compactions along the way too, where keeping the whole bin usually
+stays within the slack, so no copy or search is needed, and the new threshold is close to the K-th key).
 
 **Memory.** Besides the output [B, T, topk], the prefill path holds one buffer per program of a persistent grid
 (about 2 programs per SM, each looping over query blocks, the longest first): programs × BM × CAP × 8 bytes, 52 MB
@@ -77,14 +82,20 @@ if triton is not None:
         return tl.where(key == -1, 0, key)
 
     @triton.jit
-    def _append(kb, pb, key, pos, keep, cnt):
+    def _append(kb, pb, key, pos, keep, cnt, SCAN_COUNT: tl.constexpr):
         """Append the kept (key, position) pairs of a [R, N] tile behind each row's `cnt` entries, in tile order.
-        kb, pb: [R, 1] pointers to the rows' buffers."""
+        kb, pb: [R, 1] pointers to the rows' buffers. SCAN_COUNT: the new counts from the prefix sums (their
+        last entries), so that the counts, and every [R, CH] pass of the selection that reads them, take the
+        prefix sum's layout rather than the score tile's (which the scoring dot's lane quads replicate 4 times)."""
         ki = keep.to(tl.int32)
-        dest = cnt[:, None] + tl.cumsum(ki, axis=1) - ki
+        csum = tl.cumsum(ki, axis=1)
+        dest = cnt[:, None] + csum - ki
         tl.store(kb + dest, key, mask=keep)
         tl.store(pb + dest, pos, mask=keep)
-        return cnt + tl.sum(ki, axis=1)
+        if SCAN_COUNT:
+            return cnt + tl.max(csum, axis=1)
+        else:
+            return cnt + tl.sum(ki, axis=1)
 
     @triton.jit
     def _bounds(kb, cnt, R: tl.constexpr, CH: tl.constexpr):
@@ -149,13 +160,14 @@ if triton is not None:
         return lo, above, whole
 
     @triton.jit
-    def _keep(kb, pb, cnt, act, kth, room, R: tl.constexpr, CH: tl.constexpr):
+    def _keep(kb, pb, cnt, act, kth, room, R: tl.constexpr, CH: tl.constexpr, MS: tl.constexpr):
         """Move down, stably in place, every entry of an `act` row above kth and the first `room` equal to it;
-        returns the kept counts (the other rows keep cnt)."""
+        returns the kept counts (the other rows keep cnt). An entry moves only below its own chunk's end, so the
+        loads of later chunks may run ahead of the stores (MS pipeline stages)."""
         j = tl.arange(0, CH)[None, :]
         kept = tl.zeros([R], tl.int32)
         ties = tl.zeros([R], tl.int32)
-        for c0 in range(0, tl.max(cnt), CH):
+        for c0 in tl.range(0, tl.max(cnt), CH, num_stages=MS):
             m = c0 + j < cnt[:, None]
             key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
             pos = tl.load(pb + c0 + j, mask=m, other=0)
@@ -173,7 +185,7 @@ if triton is not None:
         return tl.where(act, kept, cnt)
 
     @triton.jit
-    def _compact(kb, pb, cnt, thr, K, SLACK, R: tl.constexpr, CH: tl.constexpr):
+    def _compact(kb, pb, cnt, thr, K, SLACK, R: tl.constexpr, CH: tl.constexpr, MS: tl.constexpr):
         """Reduce every row holding more than K entries to its K best (largest key, then earliest entry), stably in
         place; returns the new counts and thresholds. With SLACK > 0 a row may keep up to K + SLACK entries: every
         entry >= some key V of which at least K are kept (V the new threshold: a later key equal to V loses the tie
@@ -181,44 +193,53 @@ if triton is not None:
         SLACK = 0: exactly K, the last of them the K-th key. Every entry of a buffer is >= its row's threshold."""
         tl.debug_barrier()                     # the appended entries are visible to every thread
         least, top = _bounds(kb, cnt, R, CH)
-        return _compact_within(kb, pb, cnt, thr, K, SLACK, least, top, R, CH)
+        return _compact_within(kb, pb, cnt, thr, K, SLACK, least, top, R, CH, MS)
 
     @triton.jit
-    def _compact_within(kb, pb, cnt, thr, K, SLACK, least, top, R: tl.constexpr, CH: tl.constexpr):
+    def _compact_within(kb, pb, cnt, thr, K, SLACK, least, top, R: tl.constexpr, CH: tl.constexpr,
+                        MS: tl.constexpr):
         """`_compact` given each row's least and largest key."""
         act = cnt > K
         kth, above, whole = _search(kb, cnt, act, tl.where(act, least, _FLOOR), tl.where(act, top, _FLOOR), K, SLACK,
                                     R, CH)
         room = tl.where(whole, 2147483647, K - above)   # keys equal to the K-th that stay: the earliest ones
-        return _keep(kb, pb, cnt, act, kth, room, R, CH), tl.where(act, kth, thr)
+        return _keep(kb, pb, cnt, act, kth, room, R, CH, MS), tl.where(act, kth, thr)
 
     @triton.jit
-    def _digits(key, least, span, NB: tl.constexpr):
-        """Two base-NB digits of a key's place in [least, least + span): the bin of NB linear bins over the row's
-        keys, and the bin within that bin (int64 arithmetic: span < 2^33, NB^2 · span < 2^49)."""
-        x = (key.to(tl.int64) - least) * NB
-        first = x // span
-        return first.to(tl.int32), ((x - first * span) * NB // span).to(tl.int32)
+    def _bit_length(x):
+        """Bits of each non-negative int64 x, or one more where x rounds up to a power of two in fp32 (an upper
+        bound: x < 2^bit_length); 0 for 0."""
+        e = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        return tl.where(x > 0, e - 126, 0)
 
     @triton.jit
-    def _histogram(bk_ptr, buf, cnt, act, least, span, b1, SECOND: tl.constexpr, R: tl.constexpr,
-                   CH: tl.constexpr, NB: tl.constexpr):
+    def _digits(key, least, shift1, shift2, NB: tl.constexpr):
+        """Two base-NB digits of a key's place x = key - least: the bin x >> shift1 (NB power-of-two bins over the
+        row's keys) and, within it, (x >> shift2) & (NB - 1) (shift2 = shift1 - log2 NB, or 0: the bins of a bin
+        of fewer than NB keys are single keys, in order). Shifts of int64, no division."""
+        x = key.to(tl.int64) - least
+        return (x >> shift1).to(tl.int32), ((x >> shift2) & (NB - 1)).to(tl.int32)
+
+    @triton.jit
+    def _histogram(bk_ptr, buf, cnt, act, least, shift1, shift2, b1, SECOND: tl.constexpr, R: tl.constexpr,
+                   HC: tl.constexpr, NB: tl.constexpr):
         """[R, NB] counts of each `act` row's keys by first digit or, with SECOND, by second digit among the keys
-        whose first digit is b1 (`_digits`). tl.histogram counts a 1-D tensor: one row at a time."""
+        whose first digit is b1 (`_digits`). tl.histogram counts a 1-D tensor: one row at a time, HC keys a step."""
         rr = tl.arange(0, R)
-        j = tl.arange(0, CH)
+        j = tl.arange(0, HC)
         hist = tl.zeros([R, NB], tl.int32)
         for r in tl.static_range(R):
             pick = rr == r
             off = tl.sum(tl.where(pick, buf, 0))
             n = tl.sum(tl.where(pick & act, cnt, 0))
             lo = tl.sum(tl.where(pick, least, 0).to(tl.int64))
-            sp = tl.sum(tl.where(pick, span, 0))
+            s1 = tl.sum(tl.where(pick, shift1, 0))
+            s2 = tl.sum(tl.where(pick, shift2, 0))
             want = tl.sum(tl.where(pick, b1, 0))
             h = tl.zeros([NB], tl.int32)
-            for c0 in tl.range(0, n, CH, num_stages=3):
+            for c0 in tl.range(0, n, HC, num_stages=3):
                 m = c0 + j < n
-                first, second = _digits(tl.load(bk_ptr + off + c0 + j, mask=m, other=0), lo, sp, NB)
+                first, second = _digits(tl.load(bk_ptr + off + c0 + j, mask=m, other=0), lo, s1, s2, NB)
                 if SECOND:
                     h += tl.histogram(second, NB, mask=m & (first == want))
                 else:
@@ -237,60 +258,90 @@ if triton is not None:
                                                                                  axis=1)
 
     @triton.jit
-    def _select(bk_ptr, kb, pb, buf, cnt, thr, K, CAP, R: tl.constexpr, CH: tl.constexpr, NB: tl.constexpr):
-        """`_compact(..., SLACK=0)` (exactly the K best a row) in fewer passes over the buffers: two histogram
-        passes (NB bins linear in key between each row's least and largest key, then NB bins within the bin of the
-        K-th key) locate a bin of about cnt / NB^2 keys that holds the K-th key; its keys are copied behind the
-        row's entries (one pass) and the exact search runs over them alone; one pass keeps the winners. When such a
-        bin does not fit behind its row's entries (heavy ties), the block takes `_compact`. buf [R]: the rows'
-        buffer offsets from bk_ptr (kb = bk_ptr + buf[:, None])."""
+    def _select(bk_ptr, kb, pb, buf, cnt, thr, K, SLACK, CAP, R: tl.constexpr, CH: tl.constexpr,
+                NB: tl.constexpr, MS: tl.constexpr):
+        """`_compact` in fewer passes over the buffers: two histogram passes (NB power-of-two bins of key - least,
+        then NB bins within the bin of the K-th key) locate a bin of about cnt / NB^2 keys that holds the K-th
+        key. When keeping all of that bin stays within K + SLACK, every entry >= the bin's least key value is kept
+        (that value the threshold: at least K kept entries are >= it); otherwise the bin's keys are copied behind
+        the row's entries (one pass) and the search runs over them alone. One pass keeps the winners. When such a
+        bin does not fit behind its row's entries (heavy ties, a full buffer), the block takes `_compact`.
+        buf [R]: the rows' buffer offsets from bk_ptr (kb = bk_ptr + buf[:, None])."""
         tl.debug_barrier()
         act = cnt > K
         least, top = _bounds(kb, cnt, R, CH)
-        span = tl.where(act, top.to(tl.int64) - least + 1, 1)
+        nbits = _bit_length(tl.zeros([R], tl.int64) + (NB - 1))
+        shift1 = tl.maximum(_bit_length(tl.where(act, top.to(tl.int64) - least, 0)) - nbits, 0)
+        shift2 = tl.maximum(shift1 - nbits, 0)
         need = tl.where(act, K, 0) + tl.zeros([R], tl.int32)
-        b1, _, above1 = _kth_bin(_histogram(bk_ptr, buf, cnt, act, least, span, need, False, R, CH, NB), need, NB)
+        b1, _, above1 = _kth_bin(_histogram(bk_ptr, buf, cnt, act, least, shift1, shift2, need, False, R, R * CH,
+                                            NB), need, NB)
         need = need - above1
-        b2, in_b, above2 = _kth_bin(_histogram(bk_ptr, buf, cnt, act, least, span, b1, True, R, CH, NB), need, NB)
+        b2, in_b, above2 = _kth_bin(_histogram(bk_ptr, buf, cnt, act, least, shift1, shift2, b1, True, R, R * CH,
+                                               NB), need, NB)
         need = need - above2                   # of that bin's keys, the largest `need` are among the K best
-        if tl.max((act & (in_b > CAP - cnt)).to(tl.int32)) > 0:
-            kept, kth = _compact_within(kb, pb, cnt, thr, K, 0, least, top, R, CH)   # bounds known
+        whole_bin = act & (in_b - need <= SLACK)
+        side = act & ~whole_bin
+        if tl.max((side & (in_b > CAP - cnt)).to(tl.int32)) > 0:
+            kept, kth = _compact_within(kb, pb, cnt, thr, K, SLACK, least, top, R, CH, MS)   # bounds known
         else:
-            j = tl.arange(0, CH)[None, :]
-            side = tl.zeros([R], tl.int32)
-            for c0 in range(0, tl.max(cnt), CH):
-                m = c0 + j < cnt[:, None]
-                key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
-                first, second = _digits(key, least[:, None], span[:, None], NB)
-                ii = (m & act[:, None] & (first == b1[:, None]) & (second == b2[:, None])).to(tl.int32)
-                tl.store(kb + cnt[:, None] + side[:, None] + tl.cumsum(ii, axis=1) - ii, key, mask=ii != 0)
-                side += tl.sum(ii, axis=1)
-            tl.debug_barrier()
-            skb = kb + cnt[:, None]
-            s_least, s_top = _bounds(skb, side, R, CH)
-            kth, above_s, whole = _search(skb, side, act, tl.where(act, s_least, _FLOOR),
-                                          tl.where(act, s_top, _FLOOR), need, 0, R, CH)
-            room = tl.where(whole, 2147483647, need - above_s)
-            kept = _keep(kb, pb, cnt, act, kth, room, R, CH)
+            # the bin's least key value: x >> shift2 is the bin's prefix; its low digit is b2
+            x2 = ((b1.to(tl.int64) << (shift1 - shift2)) & ~(NB - 1)) | b2
+            kth = (least + (x2 << shift2)).to(tl.int32)
+            room = tl.full([R], 2147483647, tl.int32)
+            if tl.max(side.to(tl.int32)) > 0:
+                j = tl.arange(0, CH)[None, :]
+                nside = tl.zeros([R], tl.int32)
+                for c0 in tl.range(0, tl.max(tl.where(side, cnt, 0)), CH, num_stages=MS):
+                    m = c0 + j < cnt[:, None]
+                    key = tl.load(kb + c0 + j, mask=m, other=_FLOOR)
+                    first, second = _digits(key, least[:, None], shift1[:, None], shift2[:, None], NB)
+                    ii = (m & side[:, None] & (first == b1[:, None]) & (second == b2[:, None])).to(tl.int32)
+                    tl.store(kb + cnt[:, None] + nside[:, None] + tl.cumsum(ii, axis=1) - ii, key, mask=ii != 0)
+                    nside += tl.sum(ii, axis=1)
+                tl.debug_barrier()
+                skb = kb + cnt[:, None]
+                s_least, s_top = _bounds(skb, nside, R, CH)
+                s_kth, above_s, whole = _search(skb, nside, side, tl.where(side, s_least, _FLOOR),
+                                                tl.where(side, s_top, _FLOOR), need, SLACK, R, CH)
+                kth = tl.where(side, s_kth, kth)
+                room = tl.where(side & ~whole, need - above_s, room)
+            kept = _keep(kb, pb, cnt, act, kth, room, R, CH, MS)
             kth = tl.where(act, kth, thr)
         return kept, kth
 
     @triton.jit
-    def _write_rows(out_row, pb, cnt, rmask, K, CH: tl.constexpr):
+    def _write_rows(out_row, pb, cnt, rmask, K, CH: tl.constexpr, MS: tl.constexpr):
         """Each row's first min(cnt, K) buffered positions, then -1, into its output row (out_row [R, 1])."""
         tl.debug_barrier()
         j = tl.arange(0, CH)[None, :]
-        for c0 in range(0, K, CH):
+        for c0 in tl.range(0, K, CH, num_stages=MS):
             m = rmask[:, None] & (c0 + j < K)
             p = tl.load(pb + c0 + j, mask=m & (c0 + j < cnt[:, None]), other=-1)
             tl.store(out_row + c0 + j, p, mask=m)
 
     @triton.jit
+    def _block_scores(k_row, s, qt, wc, c_mask, S, D, k_mask, dd, BM: tl.constexpr, BN: tl.constexpr,
+                      HP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr):
+        """fp32 scores [BM, BN] of the block's queries (qt [d, BM·n], weights wc) against the keys at positions
+        s [BN] (past S: zeros): one [BN, d] x [d, BM·n] dot, the ReLU, the weights, the sum over heads."""
+        kt = tl.load(k_row + s[:, None].to(tl.int64) * D + dd[None, :], mask=k_mask & (s[:, None] < S), other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        x = tl.dot(kt, qt, input_precision=PREC)           # [BN, BM·n], fp32 accumulation
+        # a ReLU that keeps NaN, one max.NaN instruction an element
+        x = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL) * wc[None, :]
+        if PAD_HEADS:
+            x = tl.where(c_mask[None, :], x, 0.0)
+        return tl.trans(tl.sum(tl.reshape(x, [BN, BM, HP]), axis=2))
+
+    @triton.jit
     def _indexer_stream_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, bk_ptr, bp_ptr, bn_ptr,
                                B, T, S, H, D, K, NTB, NSPLIT, SPLIT, CAP, SLACK,
                                BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                               CH: tl.constexpr, NB: tl.constexpr, HIST: tl.constexpr, CAUSAL: tl.constexpr,
-                               SPLIT_OUT: tl.constexpr,
+                               CH: tl.constexpr, NB: tl.constexpr, HIST: tl.constexpr, HIST_COMPACT: tl.constexpr,
+                               CAUSAL: tl.constexpr, SPLIT_OUT: tl.constexpr, MS: tl.constexpr,
+                               SCAN_COUNT: tl.constexpr,
                                PREC: tl.constexpr, UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr):
         # tasks (b, query block, key split), the query blocks in descending order (the causal ones get longer);
         # a prefill program loops over tasks with its own buffer, a split program (SPLIT_OUT) does one task and
@@ -350,33 +401,29 @@ if triton is not None:
                 while seg < s_hi:
                     most = tl.max(cnt)
                     if most > CAP - BN:
-                        cnt, thr = _compact(kb, pb, cnt, thr, K, SLACK, BM, CH)
+                        if HIST_COMPACT:
+                            cnt, thr = _select(bk_ptr, kb, pb, buf, cnt, thr, K, SLACK, CAP, BM, CH, NB, MS)
+                        else:
+                            cnt, thr = _compact(kb, pb, cnt, thr, K, SLACK, BM, CH, MS)
                         most = tl.max(cnt)
                     seg_end = tl.minimum(s_hi, seg + (CAP - most) // BN * BN)
                     for s0 in range(seg, seg_end, BN):
                         s = s0 + cn
-                        kt = tl.load(k_row + s[:, None].to(tl.int64) * D + dd[None, :],
-                                     mask=k_mask & (s[:, None] < S), other=0.0)
-                        if UPCAST:
-                            kt = kt.to(tl.float32)
-                        x = tl.dot(kt, qt, input_precision=PREC)           # [BN, BM·n], fp32 accumulation
-                        x = tl.where(x < 0.0, 0.0, x) * wc[None, :]        # a ReLU that keeps NaN
-                        if PAD_HEADS:
-                            x = tl.where(c_mask[None, :], x, 0.0)
-                        key = _score_key(tl.trans(tl.sum(tl.reshape(x, [BN, BM, HP]), axis=2)))     # [BM, BN]
+                        key = _score_key(_block_scores(k_row, s, qt, wc, c_mask, S, D, k_mask, dd, BM, BN, HP, PREC,
+                                                       UPCAST, PAD_HEADS))
                         keep = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]) & (key > thr[:, None])
-                        cnt = _append(kb, pb, key, tl.broadcast_to(s[None, :], (BM, BN)), keep, cnt)
+                        cnt = _append(kb, pb, key, tl.broadcast_to(s[None, :], (BM, BN)), keep, cnt, SCAN_COUNT)
                     seg = seg_end
                 if tl.max(cnt) > K:
                     if HIST:                   # two histograms, then the exact search over one bin's keys
-                        cnt, thr = _select(bk_ptr, kb, pb, buf, cnt, thr, K, CAP, BM, CH, NB)
+                        cnt, thr = _select(bk_ptr, kb, pb, buf, cnt, thr, K, 0, CAP, BM, CH, NB, MS)
                     else:                      # loosely to K + K/4 first: the exact passes read fewer entries
-                        cnt, thr = _compact(kb, pb, cnt, thr, K, K // 4, BM, CH)
-                        cnt, thr = _compact(kb, pb, cnt, thr, K, 0, BM, CH)
+                        cnt, thr = _compact(kb, pb, cnt, thr, K, K // 4, BM, CH, MS)
+                        cnt, thr = _compact(kb, pb, cnt, thr, K, 0, BM, CH, MS)
                 if SPLIT_OUT:
                     tl.store(bn_ptr + slot, cnt, mask=rmask)
                 else:
-                    _write_rows(out_ptr + (bt * K)[:, None], pb, cnt, rmask, K, CH)
+                    _write_rows(out_ptr + (bt * K)[:, None], pb, cnt, rmask, K, CH, MS)
                 tl.debug_barrier()             # the buffer is read before the next task overwrites it
 
     @triton.jit
@@ -403,15 +450,15 @@ if triton is not None:
             m = (e < last) & (e % CAPS < tl.load(sn_ptr + src + e // CAPS, mask=e < last, other=0))
             key = tl.load(sk_ptr + src * CAPS + e, mask=m, other=_FLOOR)
             if tl.max(((cnt > K) & (cnt > CAP - MB)).to(tl.int32)) > 0:
-                cnt, thr = _compact(kb, pb, cnt, thr, K, SLACK, 1, CH)
+                cnt, thr = _compact(kb, pb, cnt, thr, K, SLACK, 1, CH, 1)
             keep = m & (key > thr[:, None])
             if tl.max(tl.sum(keep.to(tl.int32), axis=1)) > 0:       # most chunks, once the threshold is high
                 pos = tl.load(spos_ptr + src * CAPS + e, mask=keep, other=0)
-                cnt = _append(kb, pb, key, pos, keep, cnt)
+                cnt = _append(kb, pb, key, pos, keep, cnt, False)
         if tl.max(cnt) > K:
-            cnt, thr = _compact(kb, pb, cnt, thr, K, 0, 1, CH)
+            cnt, thr = _compact(kb, pb, cnt, thr, K, 0, 1, CH, 1)
         _write_rows(out_ptr + row.to(tl.int64) * K + tl.zeros([1, 1], tl.int64), pb, cnt,
-                    tl.zeros([1], tl.int32) == 0, K, CH)
+                    tl.zeros([1], tl.int32) == 0, K, CH, 1)
 
 
 class IndexerLaunch(NamedTuple):
@@ -426,7 +473,12 @@ class IndexerLaunch(NamedTuple):
     num_stages: int
     merge_warps: int
     capacity: int = 0   # buffer entries a query (0: `_capacity`'s choice)
-    histogram: bool = False  # the final selection by two histograms (`_select`; CPU-tested, not yet timed)
+    histogram: bool = False  # the final selection by two histograms (`_select`), not by trial keys (`_compact`)
+    histogram_compactions: bool = False  # the compactions along the way by two histograms too
+    max_registers: int = 0  # prefill and split kernels: a register cap a thread (more programs an SM), 0: none
+    move_stages: int = 1  # pipeline stages of the passes that move entries (keep, copy, output); 1: none
+    scan_counts: bool = True  # the buffer counts from the appends' prefix sums (`_append`: unreplicated passes)
+    histogram_bins: int = HIST_BINS  # bins of each histogram level (a power of two)
 
 
 def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: bool, sms: int,
@@ -443,7 +495,8 @@ def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: 
     else:
         # 16-bit: 64 keys x (4 queries x 64 heads) a dot, one warpgroup (wgmma M = 64 keys, N = 256), two stages
         # of key tiles in flight; buffers of 3·topk entries (fewer compactions: 4.0 ms at T = 8K against 4.7 ms
-        # with 2·topk). fp32 (the parity path): 2 queries, 32 keys, one stage.
+        # with 2·topk); the prefill's final selection by histograms (fewer passes than by trial keys; the decode
+        # pieces keep trial keys until timed). fp32 (the parity path): 2 queries, 32 keys, one stage.
         bn, chunk, merge_block, warps, stages = 64, 0, 4096, 4, 2
         capacity = 3 * topk
         if dtype == torch.float32:
@@ -457,7 +510,8 @@ def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: 
     programs = 0 if split else max(1, min(B * triton.cdiv(T, bm), 3 if interpret else 2 * sms))
     return IndexerLaunch(block_q=bm, block_k=bn, chunk=chunk, programs=programs, split=split,
                          merge_block=merge_block, num_warps=warps, num_stages=stages,
-                         merge_warps=4 if interpret else 8, capacity=0 if split else capacity)
+                         merge_warps=4 if interpret else 8, capacity=0 if split else capacity,
+                         histogram=not split)
 
 
 def _capacity(topk: int, block: int, most: int, want: int = 0) -> int:
@@ -534,8 +588,11 @@ def indexer_topk_launch(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
         prec = "tf32" if not interp and fp32_matmuls_in_tf32() else "ieee"
     else:
         prec = None                            # 16-bit products, exact in the fp32 accumulator
-    flags = dict(BM=c.block_q, BN=c.block_k, HP=HP, DP=DP, CH=c.chunk, NB=HIST_BINS, HIST=c.histogram, PREC=prec,
+    flags = dict(BM=c.block_q, BN=c.block_k, HP=HP, DP=DP, CH=c.chunk, NB=c.histogram_bins, HIST=c.histogram,
+                 HIST_COMPACT=c.histogram_compactions, MS=c.move_stages, SCAN_COUNT=c.scan_counts, PREC=prec,
                  UPCAST=upcast, PAD_HEADS=HP != H, num_warps=c.num_warps, num_stages=c.num_stages)
+    if c.max_registers:
+        flags["maxnreg"] = c.max_registers
     i32 = dict(dtype=torch.int32, device=q.device)
     ntb = triton.cdiv(T, c.block_q)
     if not c.split:

@@ -1,0 +1,111 @@
+"""Variants of the Triton indexer's launch (selection strategies, buffer sizes) timed side by side, with cuDNN's
+scores + top-k in the same run when cuDNN Frontend's DSA module imports.
+
+    PYTHONPATH=. python tests/bench/indexer_tune.py                          # H200: T = 8K, 32K, 64K
+    PYTHONPATH=. python tests/bench/indexer_tune.py --tokens 8192 65536 --variants default search move3
+
+The shape of `tests/bench/sparse_kernels.py`'s indexer rows: 64 heads × 128, bf16 q and k, fp32 head weights of both
+signs, causal, top 2048, B = 1. Every variant's selection is compared with the first variant's (rows identical;
+the selections are exact on fp32 scores, so they agree unless two scores tie). TFLOP/s count the causal half,
+2·n·d·T²/2. Times are medians of `--iters` calls after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kimi.ops import indexer_triton as it  # noqa: E402
+from kimi.ops.registry import sm_count  # noqa: E402
+from sparse_kernels import cudnn_dsa, measure  # noqa: E402
+
+NI, DI = 64, 128
+
+VARIANTS = {
+    "default": {},
+    "round2": dict(histogram=False, scan_counts=False),
+    "replicated": dict(scan_counts=False),
+    "search": dict(histogram=False),
+    "histogram-all": dict(histogram_compactions=True),
+    "bins64": dict(histogram_bins=64),
+    "move3": dict(move_stages=3),
+    "histogram-all-move3": dict(histogram_compactions=True, move_stages=3),
+    "chunk256": dict(chunk=256),
+    "cap2k": dict(capacity=2 * 2048 + 128),
+    "cap4k": dict(capacity=4 * 2048),
+    "bq8": dict(block_q=8, chunk=128, num_warps=8, per_sm=1),
+    "bq8-histogram-all": dict(block_q=8, chunk=128, num_warps=8, per_sm=1, histogram_compactions=True),
+    "bq2": dict(block_q=2, chunk=256),
+    "bq2-3sm": dict(block_q=2, chunk=256, per_sm=3, max_registers=168),
+    "bq2-3sm-histogram-all": dict(block_q=2, chunk=256, per_sm=3, max_registers=168, histogram_compactions=True),
+}
+"""Changes to `launch_config`'s choice (`IndexerLaunch` fields; `per_sm`: persistent programs an SM), by name."""
+
+
+def variant(base: "it.IndexerLaunch", changes: dict, T: int, sms: int) -> "it.IndexerLaunch":
+    changes = dict(changes)
+    per_sm = changes.pop("per_sm", 2)
+    cfg = base._replace(**changes)
+    return cfg._replace(programs=max(1, min(-(-T // cfg.block_q), per_sm * sms)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="*", default=[8192, 32768, 65536])
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--cudnn", action=argparse.BooleanOptionalAction, default=True)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    dsa = cudnn_dsa() if a.cudnn else None
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    for T in a.tokens:
+        k = a.topk
+        q = torch.randn(1, T, NI, DI, device=dev).bfloat16()
+        kk = torch.randn(1, T, DI, device=dev).bfloat16()
+        w = torch.randn(1, T, NI, device=dev) * (NI ** -0.5 * DI ** -0.5)
+        lo = torch.zeros(1, T, dtype=torch.long, device=dev)
+        hi = torch.arange(1, T + 1, device=dev)[None]
+        flops = 2 * NI * DI * T * T / 2
+        base = it.launch_config(1, T, T, NI, DI, k, causal=True, sms=sm_count(dev), interpret=False)
+        print(f"\nT = {T:,}, top-{k}, causal ({flops / 1e12:.2f} TFLOP); default {base}", flush=True)
+        print("| variant | ms | TFLOP/s | peak GiB | rows identical to the first | vs cuDNN |", flush=True)
+        print("|---|---|---|---|---|---|", flush=True)
+        c_ms = None
+        if dsa is not None:
+            def cudnn():
+                s = dsa.indexer_forward_wrapper(q, kk[:, :, None], w, ratio=1, sm_scale=1.0)["scores"]
+                return dsa.indexer_top_k_wrapper(s[0], hi[0].to(torch.int32), k, return_val=False)
+            try:
+                c_ms, peak = measure(cudnn, a.iters)
+                print(f"| cuDNN scores + top-k | {c_ms:.2f} | {flops / c_ms / 1e9:.0f} | {peak:.2f} | | 1.00 |",
+                      flush=True)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                print("| cuDNN scores + top-k | out of memory | | | | |", flush=True)
+        ref = None
+        for name in a.variants:
+            cfg = variant(base, VARIANTS[name], T, sm_count(dev))
+            run = lambda: it.indexer_topk_launch(q, kk, w, lo, hi, topk=k, causal=True, config=cfg)
+            try:
+                out = run()
+                ref = out if ref is None else ref
+                same = float((out == ref).all(-1).float().mean())
+                ms, peak = measure(run, a.iters)
+                ratio = f"{ms / c_ms:.2f}" if c_ms else ""
+                print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {peak:.2f} | {same:.2%} | {ratio} |",
+                      flush=True)
+                del out
+            except Exception as e:   # a variant that does not compile or fit: report it, go on
+                print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | |", flush=True)
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
