@@ -16,7 +16,8 @@ Tolerances (‖out − ref‖ / ‖ref‖ against float64 on the same, already r
   and the state pass TF32 ones: measured o 2.0–2.6e-3, state 0.9–1.2e-3.
 - The "v2" forward (kda_triton.FORWARD / impl="v2") is held to the same tolerances on the same inputs; measured
   fp32 o 1.4–4.6e-7 (v1 1.2–4.6e-7), bf16 o 2.5–3.1e-3 as v1's to within 1e-5; its bf16 scratch options in
-  test_v2_options.
+  test_v2_options. The "v3" forward likewise, with its defaults (bf16 w, q̃, k̃ and S_n for bf16 inputs) and its
+  kernel options in test_v3_options.
 
 Backward (each of dq, dk, dv, dg, dβ, dh0 separately, loss Σ o·do + Σ S_N·dsN, same metric):
 - fp32 inputs: FP32_TOL (3e-6) for every gradient; measured ≤ 7.2e-7 over the forward cases, gates, with and
@@ -46,7 +47,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
 FP32_TOL, BF16_TOL = 3e-6, 5e-3
 GATES = ["bounded", "saturated", "near zero", "mixed"]
-IMPLS = ["v1", "v2"]   # kda_triton.FORWARD's choices: both forwards (and the backward's recomputes) are tested
+IMPLS = ["v1", "v2", "v3"]   # kda_triton.FORWARD's choices: each forward (and the backward's recompute) is tested
 
 
 def _gate(kind, B, T, H, K, gen=None):
@@ -162,13 +163,33 @@ def test_v2_options(monkeypatch):
             assert not torch.equal(o, o_32), options
 
 
+def test_v3_options(monkeypatch):
+    """The "v3" forward's options (kda_triton.V3) on inputs as test_v2_options': the split strip / solve kernels, and
+    other key pieces with fp32 scratch and states, each within the bf16 tolerance of the float64 recurrence; the
+    default bf16 scratch really rounded (it differs from the fp32 scratch's result). Two gate kinds as two heads."""
+    T = 80
+    xs = [_inputs(1, T, 1, 128, 128, gate, torch.bfloat16) for gate in ("bounded", "mixed")]
+    x = {n: torch.cat([t[n] for t in xs], dim=2 if n != "initial_state" else 1) for n in xs[0]}
+    reset = resets(1, T, [[23]])
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset, scale=128 ** -0.5)
+    o_16, _ = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, impl="v3")
+    for options in (dict(split=True), dict(block_k=32, block_kw=16, scratch="fp32", states="fp32")):
+        with monkeypatch.context() as mp:
+            for name, value in options.items():
+                mp.setitem(kt.V3, name, value)
+            o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, impl="v3")
+        assert rel_err(o.cpu(), o_ref) < BF16_TOL and rel_err(S.cpu(), S_ref) < BF16_TOL, options
+        if "scratch" in options:
+            assert not torch.equal(o, o_16)
+
+
 @settings(max_examples=10, deadline=None)
 @given(data=st.data(), T=st.integers(1, 140), H=st.integers(1, 2), K=st.sampled_from([16, 24, 32]),
        V=st.sampled_from([16, 20, 32]), chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES),
        h0=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_forward_any_shape(data, T, H, K, V, chunk_size, gate, h0, seed):
     """Drawn lengths, widths (K, V not powers of two: masked pieces), chunk sizes, gates and document starts, fp32,
-    both forwards against one reference."""
+    every forward against one reference."""
     x = _inputs(1, T, H, K, V, gate, h0=h0, seed=seed)
     reset = resets(1, T, [data.draw(st.lists(st.integers(0, T - 1), max_size=5))])
     o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset)
@@ -177,10 +198,15 @@ def test_forward_any_shape(data, T, H, K, V, chunk_size, gate, h0, seed):
         assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(S.cpu(), S_ref) < FP32_TOL, impl
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_intra_chunk_quantities(impl):
+@pytest.mark.parametrize("impl", IMPLS + ["v3 split", "v3 plain doubling"])
+def test_intra_chunk_quantities(impl, monkeypatch):
     """`kda_intra_triton`'s w, u, q̃, k̃, d, Aqk and (I + L)⁻¹ against their definitions (kda_triton's docstring)
-    in float64: pairwise exponentials over [C, C, K], the solve by `solve_triangular`, segments from the resets."""
+    in float64: pairwise exponentials over [C, C, K], the solve by `solve_triangular`, segments from the resets.
+    "v3 split" / "v3 plain doubling": impl "v3" with V3["split"] (its strip and solve kernels apart) / without
+    V3["diag_inverse"]."""
+    if impl.startswith("v3 "):
+        monkeypatch.setitem(kt.V3, "split" if impl == "v3 split" else "diag_inverse", impl == "v3 split")
+        impl = "v3"
     B, T, H, K, V, C = 1, 64, 2, 16, 24, 32
     x = _inputs(B, T, H, K, V, "bounded", h0=False)
     reset = resets(B, T, [[9, 32, 50]])
@@ -313,7 +339,7 @@ def test_cp_prepass_is_the_slice_map(dtype):
     """S_end = M S_start + S_zero for a random S_start, against the float64 forward from S_start; M against the
     float64 transition (the recurrence from S = I with v = 0); a document start in the slice makes M exactly 0.
     Then two slices chained by their pre-passes give the whole sequence's final state, and the second slice run
-    from the chained state gives the whole sequence's outputs there."""
+    from the chained state gives the whole sequence's outputs there (the kernels of kda_triton.FORWARD)."""
     B, T, H, K, V = 2, 90, 2, 16, 24
     x = _inputs(B, T, H, K, V, "bounded", dtype, h0=False)
     reset = resets(B, T, [[], [70]])

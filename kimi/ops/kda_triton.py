@@ -40,6 +40,19 @@ the state, and `_output_kernel`, one program per (chunk, sequence × head, colum
 O_n = q̃_n S_n + Aqk_n U_n from the stored S_n in parallel. Scratch w, q̃, k̃ and the states may be bf16
 (`V2`); the backward recomputes with `_intra2_kernel` and fp32 scratch.
 
+**Kernels, "v3"** (the default, `FORWARD`, `V3`). `_intra3_kernel` (same grid) builds L and Aqk by strips:
+for each query block a, its BC rows against every key of the chunk in one [BC, C] dot per key piece, the keys
+anchored at n_a as in `_intra_kernel` (no rows computed that are thrown away, as v2's masked [C, C] dots do), and
+writes Aqk and β·L out (`_strip3`). Each strip then inverts its own diagonal block, I + L_aa with L_aa nilpotent:
+(I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸), three squarings and three products of [BC, BC] blocks, written in
+place of L_aa. After one barrier `_solve3` reads that back as (I + L_aa)⁻¹ on the diagonal and L below it and
+finishes (I + L)⁻¹ with the doubling's last log2(C / BC) levels (two at C = 64, where v2 runs six), then w, u, q̃,
+k̃, d as v2 does. The sequential pass and `_output_kernel` are v2's, with bf16 w, q̃, k̃ and S_n for 16-bit inputs
+by default; q̃_n S_n then takes 16-bit operands (the same products as TF32 ones of bf16 values). `V3["split"]`
+runs the strips as their own launch (`_strips3_kernel`, one program per query block) before `_solve3_kernel`.
+Documents, initial and final state, fp32 inputs (IEEE dots throughout) and the backward's (I + L)⁻¹ (`inverse`)
+are handled as in v1 and v2; `kda_cp_prepass_triton` runs whichever forward `FORWARD` names.
+
 **Gates.** The anchored diagonal block needs e^{−g(n_a, j]} to stay finite over 15 tokens: the kernels take the
 bounded gate of K3, g ∈ [−5, 0] (as FLA's `safe_gate`); unbounded softplus gates belong to `delta_rule.kda_chunk`.
 
@@ -565,9 +578,11 @@ if triton is not None:
 
     @triton.jit
     def _output_kernel(qd_ptr, A_ptr, U_ptr, h_ptr, o_ptr, T, H, K, V, N, C: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+                       BV: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
+                       QS: tl.constexpr = ""):
         # program (chunk n, row bh, block of BV output columns): O_n = q̃_n S_n + Aqk_n U_n from the state pass's
-        # S_n (h [B·H, N, K, V]) and U_n; chunk-parallel.
+        # S_n (h [B·H, N, K, V]) and U_n; chunk-parallel. QS "16": q̃_n S_n with 16-bit operands (both stored
+        # in 16 bits: the same products as TF32's, at the 16-bit rate); "": STATE's.
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
@@ -583,13 +598,176 @@ if triton is not None:
             qd = tl.load(qd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             S = tl.load(h_ptr + ((bh * N + n) * K + kk[:, None]) * V + vv[None, :], mask=mk[:, None] & mv[None, :],
                         other=0.0)
-            o = _dot(qd, S, o, STATE, DT, EMULATE)
+            if QS == "16":
+                o = _dot(qd, S, o, "16", DT, EMULATE)
+            else:
+                o = _dot(qd, S, o, STATE, DT, EMULATE)
         A = tl.load(A_ptr + rws[:, None] * C + c[None, :])
         U = tl.load(U_ptr + rws[:, None] * V + vv[None, :], mask=mv[None, :], other=0.0)
         o = _dot(A, U, o, STATE, DT, EMULATE)
         t = n * C + c
         tl.store(o_ptr + ((b * T + t) * H + h)[:, None] * V + vv[None, :], _to16(o, o_ptr.dtype.element_ty, EMULATE),
                  mask=(t < T)[:, None] & mv[None, :])
+
+    # ------------------------------------------------------------------------------------------ forward "v3"
+
+    @triton.jit
+    def _strip3(q_ptr, k_ptr, g_ptr, beta_ptr, A_ptr, M_ptr, n, bh, a, T, H, K, N, scale, rst, seg, valid, tok,
+                C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr, PAIR: tl.constexpr,
+                SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+        """Rows n_a..n_a+BC−1 (query block a) of chunk n's Aqk (into A) and β·L (into M) as [BC, C] strips, one dot
+        each per key piece: earlier keys carry e^{g(j, n_a]} ≤ 1, block a's own e^{−g(n_a, j]} ≤ e^{75}, later
+        ones 0, queries e^{g(n_a, r]} ≤ 1; each exponent a sum of exactly the gates it spans. DIAG: M's diagonal
+        block takes (I + L_aa)⁻¹ instead of L_aa: with N = L_aa nilpotent (N^BC = 0),
+        (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸), three squarings and three products."""
+        b = bh // H
+        h = bh % H
+        rows = tl.arange(0, C)
+        lr = tl.arange(0, BC)
+        na = a * BC
+        ra = na + lr
+        ta = n * C + ra
+        va = ta < T
+        toka = (b * T + ta) * H + h
+        seg_a = tl.sum(tl.where(rows[None, :] <= ra[:, None], rst[None, :], 0), 1)
+        before = (rows < na)[:, None]
+        in_a = (rows >= na) & (rows < na + BC)
+        upto = (valid & (rows < na + BC))[:, None]                    # the keys the strip meets
+        s_kk = tl.zeros([BC, C], dtype=tl.float32)
+        s_qk = tl.zeros([BC, C], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = kk[None, :] < K
+            m = upto & mk
+            g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            g_to = tl.where(rows[:, None] <= na, g, 0.0)
+            g_in = tl.where(in_a[:, None] & (rows[:, None] > na), g, 0.0)
+            phi = tl.where(before, tl.cumsum(g_to, 0, reverse=True) - g_to, -tl.cumsum(g_in, 0))
+            k_an = tl.where(before | in_a[:, None], kt * tl.exp(phi), 0.0)
+            ma = va[:, None] & mk
+            g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=ma, other=0.0).to(tl.float32)
+            q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=ma, other=0.0).to(tl.float32)
+            k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=ma, other=0.0).to(tl.float32)
+            e = tl.exp(tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0))
+            s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
+            s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
+        beta_a = tl.load(beta_ptr + toka, mask=va, other=0.0).to(tl.float32)
+        same = seg_a[:, None] == seg[None, :]
+        a_rows = (bh * N + n) * C + ra
+        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :],
+                 tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0))
+        tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
+                 tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
+        if DIAG:
+            tl.debug_barrier()   # L_aa back as one [BC, BC] block
+            nil = tl.load(M_ptr + a_rows[:, None] * C + ra[None, :])
+            zb = tl.zeros([BC, BC], dtype=tl.float32)
+            inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
+            pw = nil
+            tl.static_assert(BC == 16)
+            for i in tl.static_range(3):   # N², N⁴, N⁸
+                pw = _dot(pw, pw, zb, SOLVE, DT, EMULATE)
+                inv = _dot(inv, pw, inv, SOLVE, DT, EMULATE)
+            tl.debug_barrier()   # every thread has read L_aa
+            tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
+
+    @triton.jit
+    def _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, n, bh, K, V, N,
+                scale, valid, tok, first, last, n_seg, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
+                LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INVERSE: tl.constexpr, SOLVE: tl.constexpr,
+                DT: tl.constexpr, EMULATE: tl.constexpr):
+        """Chunk n's (I + L)⁻¹ from `_strip3`'s M (β·L, with (I + L_aa)⁻¹ on the diagonal blocks if LOG_BC > 0):
+        the doubling of `_intra2_kernel` from level LOG_BC = log2(BC) on (or from the identity at level 0), each
+        level reading its coupling afresh; written over M if INVERSE. Then w and u as dots with it, q̃, k̃, d."""
+        rows = tl.arange(0, C)
+        out = (bh * N + n) * C + rows
+        r2 = rows[:, None]
+        c2 = rows[None, :]
+        if LOG_BC > 0:
+            Mi = tl.load(M_ptr + out[:, None] * C + c2, mask=r2 // BC == c2 // BC, other=0.0)
+        else:
+            Mi = (r2 == c2).to(tl.float32)
+        z = tl.zeros([C, C], dtype=tl.float32)
+        for lvl in tl.static_range(LOG_BC, LEVELS):
+            s = 1 << lvl
+            E = tl.load(M_ptr + out[:, None] * C + c2,
+                        mask=(r2 // (2 * s) == c2 // (2 * s)) & ((r2 // s) % 2 == 1) & ((c2 // s) % 2 == 0), other=0.0)
+            Mi = Mi - _dot(Mi, _dot(E, Mi, z, SOLVE, DT, EMULATE), z, SOLVE, DT, EMULATE)
+        if INVERSE:
+            tl.debug_barrier()   # every thread has read L before (I + L)⁻¹ replaces it
+            tl.store(M_ptr + out[:, None] * C + c2, Mi)
+        beta = tl.load(beta_ptr + tok, mask=valid, other=0.0).to(tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = kk[None, :] < K
+            m = valid[:, None] & mk
+            g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            eg = tl.exp(tl.cumsum(g, 0))                                          # e^{Γ_r}
+            qd = tl.where(first, scale * q * eg, 0.0)
+            kd = tl.where(last, kt * tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)
+            tl.store(qd_ptr + out[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
+            tl.store(kd_ptr + out[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
+            tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(tl.sum(g, 0)), 0.0), mask=kk < K)
+            rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
+            w = _dot(Mi, rhs, tl.zeros([C, BK], dtype=tl.float32), SOLVE, DT, EMULATE)
+            tl.store(w_ptr + out[:, None] * K + kk[None, :], _to16(w, w_ptr.dtype.element_ty, EMULATE), mask=mk)
+        for v0 in range(0, V, BV):
+            vv = v0 + tl.arange(0, BV)
+            mv = vv[None, :] < V
+            v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
+            u = _dot(Mi, beta[:, None] * v, tl.zeros([C, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
+            tl.store(u_ptr + out[:, None] * V + vv[None, :], u, mask=mv)
+
+    @triton.jit
+    def _intra3_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr,
+                       M_ptr, T, H, K, V, N, scale,
+                       C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr, LEVELS: tl.constexpr,
+                       BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr,
+                       INVERSE: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr,
+                       EMULATE: tl.constexpr):
+        # program (chunk n, row bh), layouts as _intra_kernel's; w, q̃, k̃ in their pointers' dtype, u, Aqk, M fp32.
+        # The strips of every query block (`_strip3`), then, once L is in M, `_solve3`.
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
+        for a in range(C // BC):
+            _strip3(q_ptr, k_ptr, g_ptr, beta_ptr, A_ptr, M_ptr, n, bh, a, T, H, K, N, scale, rst, seg, valid, tok,
+                    C, BC, BK, LOG_BC > 0, PAIR, SOLVE, DT, EMULATE)
+        tl.debug_barrier()   # the solve reads L back whole
+        _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, n, bh, K, V, N,
+                scale, valid, tok, (seg == 0)[:, None], (seg == n_seg)[:, None], n_seg, C, BC, LOG_BC, LEVELS, BKW,
+                BV, INVERSE, SOLVE,
+                DT, EMULATE)
+
+    @triton.jit
+    def _strips3_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, A_ptr, M_ptr, T, H, K, N, scale,
+                        C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
+                        HAS_RESET: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr,
+                        EMULATE: tl.constexpr):
+        # program (chunk n × query block a, row bh): `_strip3` alone (`V3["split"]`: the query blocks in parallel)
+        n = tl.program_id(0) // (C // BC)
+        a = tl.program_id(0) % (C // BC)
+        bh = tl.program_id(1).to(tl.int64)
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
+        _strip3(q_ptr, k_ptr, g_ptr, beta_ptr, A_ptr, M_ptr, n, bh, a, T, H, K, N, scale, rst, seg, valid, tok, C,
+                BC, BK, DIAG, PAIR, SOLVE, DT, EMULATE)
+
+    @triton.jit
+    def _solve3_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr,
+                       T, H, K, V, N, scale, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
+                       LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr,
+                       INVERSE: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (chunk n, row bh): `_solve3` after `_strips3_kernel`
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
+        _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, n, bh, K, V, N,
+                scale, valid, tok, (seg == 0)[:, None], (seg == n_seg)[:, None], n_seg, C, BC, LOG_BC, LEVELS, BK,
+                BV, INVERSE, SOLVE,
+                DT, EMULATE)
 
 _DT16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -627,6 +805,19 @@ def intra2_config(C: int, K: int, V: int, ieee: bool) -> dict:
     spills, against 160 B a thread at 4 warps; fp32 0.75 KB of spills)."""
     return dict(BK=min(_pow2(K), 16 if ieee else 32), BV=min(_pow2(V), 64), num_warps=8 if C >= 64 else 4,
                 num_stages=1)
+
+
+def intra3_config(C: int, K: int, V: int, ieee: bool) -> dict:
+    """The "v3" intra-chunk kernels' launch config: key channels in pieces of `V3["block_k"]` for the strips and
+    `V3["block_kw"]` for w, value channels in pieces of 64, `V3["num_warps"]` warps, `V3["stages"]` (sm_90 offline
+    compile at K = V = 128, bf16 with the defaults: 255 registers, no spills, the loads as cp.async); IEEE dots
+    (fp32 inputs, whose operands sit in registers) 16-column key pieces and 8 warps at C = 64 (1.1 KB of spills a
+    thread, against 5.6 KB at 4 warps)."""
+    if ieee:
+        return dict(BK=min(_pow2(K), 16), BKW=min(_pow2(K), 16), BV=min(_pow2(V), 64),
+                    num_warps=8 if C >= 64 else 4, num_stages=1)
+    return dict(BK=min(_pow2(K), V3["block_k"]), BKW=min(_pow2(K), V3["block_kw"]), BV=min(_pow2(V), 64),
+                num_warps=V3["num_warps"], num_stages=V3["stages"])
 
 
 def output_config(K: int, V: int, ieee: bool) -> dict:
@@ -682,11 +873,13 @@ PRECISION = {"pair": "16", "solve": "tf32", "state": "tf32"}
 Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dtype), "tf32" or "ieee"."""
 
 
-FORWARD = "v1"
+FORWARD = "v3"
 """The kernels `kda_chunk_fwd_triton`, `kda_chunk_bwd_triton` and `kda_intra_triton` run when called with
-impl=None: "v1" (`_intra_kernel` by sub-blocks, `_state_kernel` writing O inside the chunk loop) or "v2"
+impl=None: "v1" (`_intra_kernel` by sub-blocks, `_state_kernel` writing O inside the chunk loop), "v2"
 (`_intra2_kernel`: L and Aqk of the whole chunk at once, (I + L)⁻¹ by doubling; the sequential pass only carries
-the state, storing S_n and U_n; `_output_kernel` forms O chunk-parallel)."""
+the state, storing S_n and U_n; `_output_kernel` forms O chunk-parallel) or "v3" (`_intra3_kernel`: L and Aqk by
+strips of one query block, the diagonal blocks inverted there, two doubling levels; then v2's state pass and output
+kernel, with bf16 scratch and states by default, `V3`)."""
 
 V2 = {"state_block": 64, "scratch": "fp32", "states": "fp32"}
 """Options of the "v2" forward for 16-bit inputs: "state_block" the state columns of one sequential program (32 or
@@ -694,10 +887,19 @@ V2 = {"state_block": 64, "scratch": "fp32", "states": "fp32"}
 (bf16; the state and output dots round their operands to TF32 from there). The backward's recompute keeps fp32."""
 
 
+V3 = {"state_block": 64, "scratch": "16", "states": "16", "block_k": 64, "block_kw": 32, "num_warps": 4,
+      "stages": 2, "split": False, "diag_inverse": True, "state_stages": 1, "state_warps": 4}
+"""Options of the "v3" forward: "state_block", "scratch" and "states" as `V2`'s (here bf16 by default, for 16-bit
+inputs); for its intra-chunk kernel (16-bit inputs): "block_k" the key piece of the strips' dots, "block_kw" that
+of w, "num_warps", "stages" (software pipelining of the loads), "split" (strips and solve as two launches, the
+query blocks in parallel), "diag_inverse" (the strips invert their diagonal blocks, leaving the solve two doubling
+levels instead of six); "state_stages", "state_warps" the state pass's launch."""
+
+
 def _impl(impl: str | None) -> str:
     impl = FORWARD if impl is None else impl
-    if impl not in ("v1", "v2"):
-        raise ValueError(f"kda_triton: impl={impl!r} must be 'v1' or 'v2' (or None: kda_triton.FORWARD)")
+    if impl not in ("v1", "v2", "v3"):
+        raise ValueError(f"kda_triton: impl={impl!r} must be 'v1', 'v2' or 'v3' (or None: kda_triton.FORWARD)")
     return impl
 
 
@@ -716,12 +918,12 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
 
     q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], reset [B, T] bool or None. Returns tensors over rows
     R = B·H (b-major) and chunks N = ⌈T / C⌉ (the last chunk zero-padded): w, q̃ ("qd"), k̃ ("kd") [R, N, C, K]
-    (in `scratch`: fp32, or bf16 with impl "v2"), u [R, N, C, V], Aqk ("A") [R, N, C, C], d [R, N, K] (fp32);
+    (in `scratch`: fp32, or bf16 with impl "v2" or "v3"), u [R, N, C, V], Aqk ("A") [R, N, C, C], d [R, N, K] (fp32);
     with `inverse` also (I + L)⁻¹ ("M") [R, N, C, C] fp32 (the backward's). impl: `FORWARD`."""
     _check(q, k, v, g, beta, None, reset, chunk_size, "kda_intra_triton")
     impl = _impl(impl)
     if scratch != torch.float32 and (impl == "v1" or scratch != torch.bfloat16):
-        raise ValueError(f"kda_intra_triton: scratch={scratch} needs impl='v2' and bfloat16 (or float32)")
+        raise ValueError(f"kda_intra_triton: scratch={scratch} needs impl='v2' or 'v3' and bfloat16 (or float32)")
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -731,7 +933,7 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     s16 = dict(dtype=scratch, device=q.device)
     x = dict(w=torch.empty(R, N, C, K, **s16), u=torch.empty(R, N, C, V, **f32), qd=torch.empty(R, N, C, K, **s16),
              kd=torch.empty(R, N, C, K, **s16), A=torch.empty(R, N, C, C, **f32), d=torch.empty(R, N, K, **f32))
-    if inverse:
+    if inverse or impl == "v3":   # "v3" passes L through M on its way to (I + L)⁻¹
         x["M"] = torch.empty(R, N, C, C, **f32)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     rst = reset.to(torch.int32).contiguous() if reset is not None else q   # q: a pointer never read
@@ -742,22 +944,39 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
         _intra_kernel[(N, R)](*args, C=C, BC=SUB_CHUNK, BK=cfg["BK"], BV=cfg["BV"], HAS_RESET=reset is not None,
                               INVERSE=inverse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                               **_dots(q.dtype, "pair", "solve"))
-    else:
+    elif impl == "v2":
         cfg = intra2_config(C, K, V, ieee=q.dtype not in _DT16)
         _intra2_kernel[(N, R)](*args, C=C, BC=SUB_CHUNK, LEVELS=C.bit_length() - 1, BK=cfg["BK"], BV=cfg["BV"],
                                HAS_RESET=reset is not None, INVERSE=inverse, num_warps=cfg["num_warps"],
                                num_stages=cfg["num_stages"], **_dots(q.dtype, "pair", "solve"))
+    else:
+        cfg = intra3_config(C, K, V, ieee=q.dtype not in _DT16)
+        dots = _dots(q.dtype, "pair", "solve")
+        blocks = dict(C=C, BC=SUB_CHUNK, HAS_RESET=reset is not None, num_stages=cfg["num_stages"], **dots)
+        levels = dict(LOG_BC=SUB_CHUNK.bit_length() - 1 if V3["diag_inverse"] else 0, LEVELS=C.bit_length() - 1)
+        if V3["split"]:
+            _strips3_kernel[(N * (C // SUB_CHUNK), R)](q, k, g, beta, rst, x["A"], x["M"], T, H, K, N, float(scale),
+                                                       BK=cfg["BK"], DIAG=V3["diag_inverse"], num_warps=4, **blocks)
+            _solve3_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"], T, H, K,
+                                   V, N, float(scale), BK=cfg["BKW"], BV=cfg["BV"], num_warps=cfg["num_warps"],
+                                   INVERSE=inverse, **levels, **{n: w for n, w in blocks.items() if n != "PAIR"})
+        else:
+            _intra3_kernel[(N, R)](*args, BK=cfg["BK"], BKW=cfg["BKW"], BV=cfg["BV"], num_warps=cfg["num_warps"],
+                                   INVERSE=inverse, **levels, **blocks)
+        if not inverse:
+            del x["M"]
     return x
 
 
 def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
                 s0: Tensor | None, identity: bool, with_u: bool, out: Tensor | None,
-                states: Tensor | None = None, block_v: int | None = None) -> Tensor:
+                states: Tensor | None = None, block_v: int | None = None, launch: dict | None = None) -> Tensor:
     """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V].
     `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n over x["u"].
-    block_v: the state columns of a program for 16-bit inputs ("v2"; None: `state_config`'s own)."""
+    block_v: the state columns of a program for 16-bit inputs ("v2"; None: `state_config`'s own); launch: num_warps
+    and num_stages over `state_config`'s ("v3")."""
     R, N, C = x["w"].shape[:3]
-    cfg = state_config(K, V, ieee=dtype not in _DT16, block_v=block_v)
+    cfg = {**state_config(K, V, ieee=dtype not in _DT16, block_v=block_v), **(launch or {})}
     sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
     s0_ptr = s0.contiguous() if s0 is not None else sN
     mode = 2 if identity else (1 if s0 is not None else 0)
@@ -778,7 +997,7 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     q, k [B, T, H, K] (L2-normalized), v [B, T, H, V] (one dtype: float32, bfloat16 or float16), g [B, T, H, K]
     log-decay, beta [B, T, H], initial_state [B, H, K, V] float32 or None, reset [B, T] bool (the state is zeroed
     before each True token). Returns o [B, T, H, V] in v.dtype and the final state [B, H, K, V] float32.
-    impl: "v1", "v2" or None (`FORWARD`); "v2" takes its options from `V2`."""
+    impl: "v1", "v2", "v3" or None (`FORWARD`); "v2" takes its options from `V2`, "v3" from `V3`."""
     _check(q, k, v, g, beta, initial_state, reset, chunk_size, "kda_chunk_fwd_triton")
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -788,13 +1007,16 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=o)
         return o, sN
     s16 = q.dtype in _DT16
-    scratch = torch.bfloat16 if s16 and V2["scratch"] == "16" else torch.float32
-    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, impl="v2", scratch=scratch)
+    opts = V2 if _impl(impl) == "v2" else V3
+    scratch = torch.bfloat16 if s16 and opts["scratch"] == "16" else torch.float32
+    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, impl=_impl(impl),
+                         scratch=scratch)
     R, N, C = x["w"].shape[:3]
-    states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V2["states"] == "16" else torch.float32,
+    states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and opts["states"] == "16" else torch.float32,
                          device=q.device)
+    launch = dict(num_warps=V3["state_warps"], num_stages=V3["state_stages"]) if opts is V3 and s16 else None
     sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=None,
-                     states=states, block_v=V2["state_block"])
+                     states=states, block_v=opts["state_block"], launch=launch)
     _output_pass(x, states, o, q.dtype)
     return o, sN
 
@@ -805,9 +1027,11 @@ def _output_pass(x: dict[str, Tensor], states: Tensor, o: Tensor, dtype: torch.d
     R, N, C, K = x["qd"].shape
     B, T, H, V = o.shape
     cfg = output_config(K, V, ieee=dtype not in _DT16)
+    dots = _dots(dtype, "state")
+    qs = "16" if dtype in _DT16 and x["qd"].dtype == states.dtype == torch.bfloat16 else ""
     _output_kernel[(N, R, triton.cdiv(V, cfg["BV"]))](
-        x["qd"], x["A"], x["u"], states, o, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dots(dtype, "state"))
+        x["qd"], x["A"], x["u"], states, o, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], QS=qs,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **dots)
 
 
 def kda_cp_prepass_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None = None,
@@ -861,8 +1085,9 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 
     Precision as the forward (`PRECISION`): the pairwise dots "pair", the dots with (I + L)⁻ᵀ and dL "solve",
     those with states, dO, U and dU "state". Scratch: the forward's (w, u, q̃, k̃, Aqk, d) plus M [R, N, C, C],
-    S_n and dS_{n+1} [R, N, K, V] and dU [R, N, C, V], all fp32. impl ("v1", "v2", None: `FORWARD`) picks the
-    recompute's intra-chunk kernel and, for "v2", the state pass's column blocks (`V2["state_block"]`)."""
+    S_n and dS_{n+1} [R, N, K, V] and dU [R, N, C, V], all fp32. impl ("v1", "v2", "v3", None: `FORWARD`) picks
+    the recompute's intra-chunk kernel and, for "v2" / "v3", the state pass's column blocks (`V2` / `V3`
+    ["state_block"])."""
     _check(q, k, v, g, beta, initial_state, reset, chunk_size, "kda_chunk_bwd_triton")
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -877,7 +1102,7 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     f32 = dict(dtype=torch.float32, device=q.device)
     states = torch.empty(R, N, K, V, **f32)
     _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=None, states=states,
-                block_v=V2["state_block"] if impl == "v2" else None)
+                block_v={"v2": V2, "v3": V3}[impl]["state_block"] if impl != "v1" else None)
     U = x["u"]                                                    # U_n now (the pass wrote it over u)
 
     dstates = torch.empty(R, N, K, V, **f32)

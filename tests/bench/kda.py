@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python tests/bench/kda.py                         # H200: T = 8192, H = 96 and the decode step
     PYTHONPATH=. python tests/bench/kda.py --shapes 8192x96 32768x32 65536x8 --chunk-triton
+    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-v3 --v3-variants defaults split
 
 fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
 by default.
@@ -11,9 +12,10 @@ fp32 log-decay g from K3's bounded gate (lower bound -5), fp32 beta, an fp32 ini
 returned. Rows: fla's `chunk_kda` with its defaults and with `safe_gate=True, lower_bound=-5` (when fla imports),
 the project's `Backend(kda="triton")` (the Triton forward, and forward+backward once its op has a backward), the
 "v2" forward (`kda_chunk_fwd_triton(impl="v2")`, with each of `V2_VARIANTS`' options of kda_triton.V2, and its
-kernels timed apart), forward+backward through the plain `kda_chunk_fwd_triton` + `kda_chunk_bwd_triton` for
-impl "v1" and "v2" (the backward recomputes with the same kernels) and, with `--chunk-triton`,
-`Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
+kernels timed apart), the "v3" forward likewise (`V3_VARIANTS` of kda_triton.V3; `--only-v3`: only those, after
+the "v1" forward, `--v3-variants` picking some), forward+backward through the plain `kda_chunk_fwd_triton` +
+`kda_chunk_bwd_triton` for impl "v1" and "v2" (the backward recomputes with the same kernels) and, with
+`--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
 
 Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's `fused_recurrent_kda` (state in,
 final state out) against the project's in-place step (`kda_step_inplace_triton`, q and k already normalized) and
@@ -85,7 +87,8 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton: bool) -> None:
+def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton: bool, only_v3: bool = False,
+               v3_variants: list | None = None) -> None:
     dev = torch.device("cuda")
     x = inputs(T, H, D, dev)
     do = torch.randn_like(x["v"])
@@ -117,6 +120,12 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
         return [t.detach().requires_grad_() for t in ts]
 
     outs = {}
+    if only_v3:
+        v3_rows(x, T, H, D, scale, row, outs, peer=True, variants=v3_variants)
+        first = next(iter(outs.values()))
+        print("output difference against the first row: " + ", ".join(
+            f"{n} {rel(o, first):.1e}" for n, o in list(outs.items())[1:]), flush=True)
+        return
     if chunk_kda is not None:
         for name, kw in (("fla chunk_kda, safe gate -5", dict(safe_gate=True, lower_bound=-5.0)),
                          ("fla chunk_kda, defaults", {})):
@@ -167,6 +176,7 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
     for impl in ("v1", "v2"):   # the plain functions (no op layer), each forward with its backward's recompute
         if impl == "v2":
             v2_rows(x, T, H, D, scale, row, outs)
+            v3_rows(x, T, H, D, scale, row, outs)
 
         def plain_fwd_bwd(impl=impl):
             kt.kda_chunk_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], scale=scale, impl=impl)
@@ -292,6 +302,59 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
             print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} |", flush=True)
 
 
+V3_VARIANTS = {"defaults": {}, "key pieces of 32": dict(block_k=32), "no diagonal inverse": dict(diag_inverse=False),
+               "one stage": dict(stages=1), "w pieces of 16": dict(block_kw=16), "split": dict(split=True),
+               "state pass two stages": dict(state_stages=2),
+               "fp32 scratch and S_n": dict(scratch="fp32", states="fp32")}
+
+
+def v3_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict, peer: bool = False,
+            variants: list | None = None) -> None:
+    """The "v3" forward (kda_triton.V3's options; `variants`: those of V3_VARIANTS, None all), whole and by kernel;
+    with `peer` first the "v1" forward (the default before "v3")."""
+    from kimi.ops import kda_triton as kt
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    R, N = H, -(-T // 64)
+    if peer:
+        def fwd1():
+            with torch.no_grad():
+                return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale, impl="v1")
+        outs["ours v1"] = fwd1()[0]
+        row("ours v1", "forward", fwd1)
+    for variant, options in V3_VARIANTS.items():
+        if variants is not None and variant not in variants:
+            continue
+        saved = dict(kt.V3)
+        kt.V3.update(options)
+        try:
+            name = f"ours v3 ({variant})"
+
+            def fwd():
+                with torch.no_grad():
+                    return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale, impl="v3")
+            outs[name] = fwd()[0]
+            row(name, "forward", fwd)
+            scratch = torch.bfloat16 if kt.V3["scratch"] == "16" else torch.float32
+            if "state" in variant:
+                continue
+            row(f"{name}: its intra-chunk kernel{'s' if kt.V3['split'] else ''}", "forward",
+                lambda: kt.kda_intra_triton(*args, scale=scale, impl="v3", scratch=scratch))
+            if variant != "defaults":
+                continue
+            sd = torch.bfloat16 if kt.V3["states"] == "16" else torch.float32
+            xs = kt.kda_intra_triton(*args, scale=scale, impl="v3", scratch=scratch)
+            states = torch.empty(R, N, D, D, dtype=sd, device=x["q"].device)
+            row(f"{name}: its state pass (S_n, U_n)", "forward",
+                lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
+                                       out=None, states=states, block_v=kt.V3["state_block"]))
+            o = torch.empty_like(x["v"])
+            row(f"{name}: its output kernel", "forward", lambda: kt._output_pass(xs, states, o, x["q"].dtype))
+            del xs, states
+        finally:
+            kt.V3.clear()
+            kt.V3.update(saved)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="*", default=["8192x96"],
@@ -302,6 +365,8 @@ def main() -> None:
     ap.add_argument("--no-fla-chunk", action="store_true",
                     help="skip fla's chunk_kda rows (its autotuning takes minutes a shape)")
     ap.add_argument("--chunk-triton", action="store_true", help='also kda="chunk_triton" under torch.compile')
+    ap.add_argument("--only-v3", action="store_true", help='only the "v3" forward rows (and v1\'s beside them)')
+    ap.add_argument("--v3-variants", nargs="*", default=None, help=f"of {list(V3_VARIANTS)} (default: all)")
     a = ap.parse_args()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
@@ -310,7 +375,7 @@ def main() -> None:
         chunk_kda = None
     for shape in a.shapes:
         T, H = (int(s) for s in shape.split("x"))
-        chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton)
+        chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton, a.only_v3, a.v3_variants)
         torch.cuda.empty_cache()
     if not a.no_decode:
         decode_rows(64, 96, 128, a.iters, fused_recurrent_kda, a.decode_sweep)
