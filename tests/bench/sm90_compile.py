@@ -4,7 +4,8 @@ conversions. Launch arguments are specialized as Triton's launcher does (16-byte
 divisible by 16 marked so, ints equal to 1 made constants): without that every gather compiles to 2-byte loads
 and the spills come out several times too large.
 
-    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv kda-fwd kda-fwd2 kda-bwd
+    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv kda-fwd kda-fwd2 kda-fwd3
+    python tests/bench/sm90_compile.py kda-bwd kda-bwd2
 
 Needs a Triton with its NVIDIA backend (a Linux wheel; the device's version is 3.6: `pip install triton==3.6.0`
 into a separate environment). Registers and spills decide occupancy and show where a launch configuration will
@@ -28,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kimi.ops import indexer_triton as it  # noqa: E402
+from kimi.ops import kda_bwd_triton as kb  # noqa: E402
 from kimi.ops import kda_triton as kt  # noqa: E402
 from kimi.ops import sparse_mla_triton as sm  # noqa: E402
 
@@ -77,11 +79,13 @@ def indexer():
     cap = it._capacity(K, c.block_k, T, c.capacity)
     scalars = dict(B=1, T=T, S=T, H=64, D=128, K=K, NTB=T // c.block_q, NSPLIT=1, SPLIT=T, CAP=cap,
                    SLACK=it._slack(cap, K, c.block_k))
-    for hist in (False, True):
-        consts = dict(BM=c.block_q, BN=c.block_k, HP=64, DP=128, CH=c.chunk, NB=it.HIST_BINS, HIST=hist,
-                      CAUSAL=True, SPLIT_OUT=False, PREC=None, UPCAST=False, PAD_HEADS=False)
-        yield f"indexer {c._replace(histogram=hist)}", report(it._indexer_stream_kernel, ptrs, scalars, consts,
-                                                              num_warps=c.num_warps, num_stages=c.num_stages)
+    for v in (c._replace(histogram=False, scan_counts=False), c._replace(scan_counts=False), c,
+              c._replace(histogram_compactions=True, move_stages=3)):
+        consts = dict(BM=v.block_q, BN=v.block_k, HP=64, DP=128, CH=v.chunk, NB=v.histogram_bins,
+                      HIST=v.histogram, HIST_COMPACT=v.histogram_compactions, CAUSAL=True, SPLIT_OUT=False,
+                      MS=v.move_stages, SCAN_COUNT=v.scan_counts, PREC=None, UPCAST=False, PAD_HEADS=False)
+        yield f"indexer {v}", report(it._indexer_stream_kernel, ptrs, scalars, consts, num_warps=c.num_warps,
+                                     num_stages=c.num_stages)
 
 
 def sparse_fwd():
@@ -103,10 +107,11 @@ def _bwd():
 def sparse_dq():
     cfg = _bwd()
     ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, o_ptr=BF, lse_ptr=F32, do_ptr=BF, dlse_ptr=F32, dq_ptr=BF,
-                delta_ptr=F32, dlat_ptr=F32)
-    scalars = dict(T=T, S=T, H=H, K=K, D=D, DV=DV, h_start=0, NT=len(cfg.heads), scale=0.1, scale2=0.1)
+                delta_ptr=F32, dlat_ptr=F32, pds_ptr=BF)
+    scalars = dict(row0=0, T=T, S=T, H=H, K=K, D=D, DV=DV, h_start=0, NT=len(cfg.heads), scale=0.1, scale2=0.1)
     consts = dict(BH=cfg.heads[0], BK=cfg.block_k, DVP=DV, DTP=64, IB=256, HAS_DLSE=False, FUSED=cfg.fused_dkv,
-                  F32=False)
+                  PDS=cfg.dkv_gemm and not cfg.fused_dkv,
+                  DQ=not (cfg.dkv_gemm and cfg.gemm_cols and cfg.gemm_cols_dq), F32=False)
     kernel = sm._bwd_dq_kernel_sm if cfg.slot_major else sm._bwd_dq_kernel
     yield f"sparse dq {cfg}", report(kernel, ptrs, scalars, consts, num_warps=cfg.num_warps,
                                      num_stages=cfg.num_stages)
@@ -118,9 +123,24 @@ def sparse_dkv():
     scalars = dict(row0=0, NKB=K // cfg.dkv_block_k, T=T, S=T, H=H, K=K, D=D, DV=DV, scale=0.1, scale2=0.1)
     consts = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DV, DTP=64, ATOMIC=True, F32=False)
     kernel = sm._bwd_dkv_kernel_sm if cfg.dkv_slot_major else sm._bwd_dkv_kernel
-    yield f"sparse dlatent {cfg}", report(kernel, ptrs, scalars, consts,
-                                          num_warps=cfg.dkv_num_warps or cfg.num_warps,
-                                          num_stages=cfg.dkv_num_stages or cfg.num_stages)
+    warps = dict(num_warps=cfg.dkv_num_warps or cfg.num_warps, num_stages=cfg.dkv_num_stages or cfg.num_stages)
+    yield f"sparse dlatent (recomputing) {cfg}", report(kernel, ptrs, scalars, consts, **warps)
+    # `dkv_gemm`: [ds | p]·[q; do] over the value columns, ds·q over the tail
+    ptrs = dict(pds_ptr=BF, q_ptr=BF, do_ptr=BF, idx_ptr=I32, out_ptr=F32)
+    for c_lo, c_hi, bn, J in ((0, DV, cfg.gemm_block_n, 2 * H), (DV, D, min(cfg.gemm_block_n, 64), H)):
+        scalars = dict(row0=0, NKB=K // cfg.gemm_block_k, NCB=(c_hi - c_lo) // bn, c_lo=c_lo, c_hi=c_hi, J=J, T=T,
+                       S=T, H=H, K=K, D=D, DV=DV)
+        consts = dict(BK=cfg.gemm_block_k, BN=bn, BJ=cfg.gemm_block_j, ATOMIC=True, F32=False)
+        yield f"sparse dlatent GEMM, columns {c_lo}..{c_hi}", report(sm._bwd_dkv_gemm_kernel, ptrs, scalars, consts,
+                                                                     **warps)
+    # `gemm_cols` / `gemm_cols_dq`: a slot block's ds, p held, the columns walked (without and with dq's atomics)
+    ptrs = dict(pds_ptr=BF, q_ptr=BF, do_ptr=BF, lat_ptr=BF, idx_ptr=I32, out_ptr=F32, dq_ptr=F32)
+    scalars = dict(row0=0, NKB=K // cfg.gemm_block_k, T=T, S=T, H=H, K=K, D=D, DV=DV)
+    for dq in (False, True):
+        consts = dict(BK=cfg.gemm_block_k, BN=cfg.gemm_block_n, BT=min(cfg.gemm_block_n, 64), HP=128, DQ=dq,
+                      ATOMIC=True, F32=False)
+        yield f"sparse dlatent GEMM walking the columns{' + dq atomics' if dq else ''}", report(
+            sm._bwd_dkv_gemm_cols_kernel, ptrs, scalars, consts, **warps)
 
 
 KDA_N, KDA_C, KDA_D = T // 64, 64, 128     # K3's chunked KDA: chunks of 64, K = V = 128
@@ -227,8 +247,66 @@ def kda_fwd2():
                 num_stages=c["num_stages"])
 
 
+def kda_fwd3():
+    """The chunked KDA forward "v3" at K = V = 128, C = 64 (bf16 scratch, and fp32): `_intra3_kernel` at kt.V3's
+    key pieces and warps, the split `_strips3_kernel` / `_solve3_kernel`, and `_output_kernel` with q~ S_n on
+    16-bit operands (the state pass is kda-fwd2's)."""
+    N, C, KD = T // 64, 64, 128
+    scalars = dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1)
+    for name in ("bf16", "fp32"):
+        x = "*bf16" if name == "bf16" else F32
+        sc = BF if name == "bf16" else F32
+        prec, common = _kda_prec(name)
+        c = kt.intra3_config(C, KD, KD, ieee=name == "fp32")
+        blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
+        levels = dict(LOG_BC=4, LEVELS=6, INVERSE=False)
+        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc, u_ptr=F32,
+                    qd_ptr=sc, kd_ptr=sc, A_ptr=F32, d_ptr=F32, M_ptr=F32)
+        yield f"kda v3 intra {name}, scratch {sc[1:]} {c}", report(
+            kt._intra3_kernel, ptrs, scalars, dict(BK=c["BK"], BKW=c["BKW"], BV=c["BV"], PAIR=prec["PAIR"], **levels,
+                                                   **blocks), num_warps=c["num_warps"], num_stages=c["num_stages"])
+        sp = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, A_ptr=F32, M_ptr=F32)
+        yield f"kda v3 strips {name} BK={c['BK']} warps=4", report(
+            kt._strips3_kernel, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
+            dict(BK=c["BK"], DIAG=True, PAIR=prec["PAIR"], **blocks), num_warps=4, num_stages=c["num_stages"])
+        del ptrs["A_ptr"]
+        yield f"kda v3 solve {name}, scratch {sc[1:]} BK={c['BKW']} BV={c['BV']} warps={c['num_warps']}", report(
+            kt._solve3_kernel, ptrs, scalars, dict(BK=c["BKW"], BV=c["BV"], **levels, **blocks),
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
+    prec, common = _kda_prec("bf16")
+    c = kt.output_config(KD, KD, ieee=False)
+    yield f"kda v3 output bf16, q~/S_n bf16 on 16-bit dots {c}", report(
+        kt._output_kernel, dict(qd_ptr=BF, A_ptr=F32, U_ptr=F32, h_ptr=BF, o_ptr=BF),
+        dict(T=T, H=H, K=KD, V=KD, N=N), dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"], QS="16", **common),
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+def kda_bwd2():
+    """The chunk-parallel KDA backward's own kernels (kda_bwd_triton: `_bwd_dav_kernel`, `_bwd_dqkg_kernel`) at
+    K = V = 128, C = 64, bf16 and fp32; its recompute and state passes are kda-bwd's and kda-fwd2's."""
+    N, C, KD = KDA_N, KDA_C, KDA_D
+    for name in ("bf16", "fp32"):
+        x = BF if name == "bf16" else F32
+        prec, common = _kda_prec(name)
+        pair = BF if prec["PAIR"] == "16" else F32
+        c = kb.dav_config(C, KD, ieee=name == "fp32")
+        ptrs = dict(v_ptr=x, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair,
+                    dL_ptr=pair, dAd_ptr=F32, dbv_ptr=F32, dv_ptr=x)
+        consts = dict(C=C, BV=c["BV"], HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], **common)
+        yield f"kda bwd2 dAqk/dL/dv {name} {c}", report(kb._bwd_dav_kernel, ptrs, dict(T=T, H=H, V=KD, N=N, scale=0.1),
+                                                        consts, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        c = kb.dqkg_config(C, KD, KD, ieee=name == "fp32")
+        ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, h_ptr=F32,
+                    dh_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair, dL_ptr=pair, dAd_ptr=F32, dq_ptr=x, dk_ptr=x,
+                    dg_ptr=F32, dbk_ptr=F32)
+        consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, **prec, **common)
+        yield f"kda bwd2 dq/dk/dg {name} {c}", report(kb._bwd_dqkg_kernel, ptrs,
+                                                      dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
+                                                      num_warps=c["num_warps"], num_stages=c["num_stages"])
+
 KERNELS = {"indexer": indexer, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv,
-           "kda-fwd": kda_fwd, "kda-fwd2": kda_fwd2, "kda-bwd": kda_bwd}
+           "kda-fwd": kda_fwd, "kda-fwd2": kda_fwd2, "kda-fwd3": kda_fwd3,
+           "kda-bwd": kda_bwd, "kda-bwd2": kda_bwd2}
 
 
 def main():

@@ -1,0 +1,327 @@
+"""Triton backward of chunked KDA in chunk-parallel kernels (notation of `kda_triton`'s module docstring).
+
+`kda_chunk_bwd_triton` here has the contract of `kda_triton.kda_chunk_bwd_triton` and shares its first three
+launches (the recompute of the intra-chunk scratch with (I + L)⁻¹, the forward state pass storing S_n and U_n, the
+reverse state pass storing dS_{n+1} and dU_n, which may run side by side on two streams: `OVERLAP`); the
+per-chunk token gradients are split in two kernels:
+
+1. `_bwd_dav_kernel`, one program per (chunk, sequence × head): the value side. dAqk = s·dO Uᵀ (on Aqk's strict
+   pattern, its diagonal apart), dR_u = (I + L)⁻ᵀ dU, dL = −dR_u Uᵀ (on L's pattern), dv = β dR_u and dβ's value
+   part Σ_v dR_u ⊙ v. dAqk and dL go to [R, N, C, C] scratch in the pairwise dots' operand type (bf16 for 16-bit
+   inputs: the dots round them so anyway), the diagonal and dβ's part in fp32.
+2. `_bwd_dqkg_kernel`, one program per (block of key channels, chunk, sequence × head): the state side (dq̃ = dO S_nᵀ,
+   dk̃ = U dS_{n+1}ᵀ, dR_w = −(I + L)⁻ᵀ dU S_nᵀ, dd = Σ_v S_n ⊙ dS_{n+1}), the pairwise gradients of L and Aqk,
+   and dq, dk, dg and dβ's key part. The pairwise sums are one batched dot per side over the sub-blocks a of BC
+   rows (first row n_a, so each pair (query block, key block) is multiplied once): query rows of block a carry
+   e^{g(n_a, r]} ≤ 1; the keys against anchor a carry e^{g(j, n_a]} (earlier blocks, ≤ 1) or e^{−g(n_a, j]} (block
+   a, ≤ e^{75}), a [C/BC, C, BK] tensor. For keys of block b < a, g(j, n_a] = g(j, m_b] + g(m_b, n_a] (m_b the
+   last row of b): the first a sum over the rows it spans inside block b, the second the sums of the whole blocks
+   between plus the gate of n_a, so every exponent is a sum of gates over exactly the tokens it spans and none
+   is a difference of two chunk prefix sums.
+
+   dΓ (the gradient w.r.t. the prefix sums of the gates) takes the pairwise terms from the same rounded operands
+   on both sides of every pair, so their ± parts cancel in dg's suffix sums to fp32 accumulation error; each row
+   takes the shorter of the suffix and the negated prefix sum (the pairwise part sums to zero over the chunk),
+   exclusive prefix sums are a scan that adds only the earlier rows (never cumsum(x) − x), and the terms of k̃ and
+   d (which span the gates after j, and all of them) are summed over exactly those.
+
+Resets inside a chunk: dAqk and dL are masked by segment (a pair across a document start has no term), only the
+first segment's rows see S_n (q̃, R_w carry [seg = 0]) and only the last one's write S_{n+1} (k̃ carries
+[seg = last], d is zero with a start in the chunk); the initial state's gradient is dS_0 of the reverse pass and
+the final state's gradient enters it as dS_N.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .kda_triton import _DT16, SUB_CHUNK, V2, _check, _dots, _pow2, _state_pass, kda_intra_triton, state_config
+from .registry import tl, triton
+
+if triton is not None:
+    from .kda_triton import _block_cumsum, _chunk_rows, _dot, _operand, _state_bwd_kernel, _to16
+
+    @triton.jit
+    def _add2(a0, b0, a1, b1):
+        return a0 + a1, b0 + b1
+
+    @triton.jit
+    def _excl_combine2(x_l, px_l, y_l, py_l, x_r, px_r, y_r, py_r):
+        """Two exclusive prefix sums in one scan: with (x_t, 0) at row t, the scan's second member is Σ_{j<t} x_j,
+        each a sum of exactly those terms (cumsum(x) − x would cancel x_t's own term against the sum: at a
+        chunk's end k̃'s term is O(1) beside an O(e^{−5}) sum)."""
+        return x_l + x_r, x_l + px_r, y_l + y_r, y_l + py_r
+
+    @triton.jit
+    def _bwd_dav_kernel(v_ptr, beta_ptr, reset_ptr, M_ptr, U_ptr, dU_ptr, do_ptr, dA_ptr, dL_ptr, dAd_ptr, dbv_ptr,
+                        dv_ptr, T, H, V, N, scale,
+                        C: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr, SOLVE: tl.constexpr,
+                        STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (chunk n, row bh). Writes dAqk·s and dL [R, N, C, C] (their pointers' dtype, zero off the
+        # pattern), the diagonal of dAqk·s and Σ_v dR_u ⊙ v [R, N, C] fp32, and dv [B, T, H, V].
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        rows = tl.arange(0, C)
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
+        out = (bh * N + n) * C + rows
+        Mt = tl.trans(tl.load(M_ptr + out[:, None] * C + rows[None, :]))          # (I + L)⁻ᵀ
+        beta = tl.load(beta_ptr + tok, mask=valid, other=0.0).to(tl.float32)
+        dA = tl.zeros([C, C], dtype=tl.float32)
+        dL = tl.zeros([C, C], dtype=tl.float32)
+        db = tl.zeros([C], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            vv = v0 + tl.arange(0, BV)
+            mv = vv[None, :] < V
+            U = tl.load(U_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
+            dU = tl.load(dU_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
+            do = tl.load(do_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
+            dA = _dot(do, tl.trans(U), dA, STATE, DT, EMULATE)
+            dR = _dot(Mt, dU, tl.zeros([C, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
+            dL = _dot(dR, tl.trans(U), dL, SOLVE, DT, EMULATE)
+            db += tl.sum(dR * v, 1)
+            tl.store(dv_ptr + tok[:, None] * V + vv[None, :], _to16(beta[:, None] * dR, dv_ptr.dtype.element_ty,
+                                                                     EMULATE), mask=valid[:, None] & mv)
+        # the diagonal apart: e^{g(r,r]} = 1 exactly, and it leaves dΓ alone (its two terms, ±q_r k_r, cancel)
+        r2 = rows[:, None]
+        c2 = rows[None, :]
+        strict = (seg[:, None] == seg[None, :]) & (c2 < r2)
+        tl.store(dAd_ptr + out, tl.sum(tl.where(r2 == c2, dA, 0.0), 1) * scale)
+        tl.store(dbv_ptr + out, db)
+        tl.store(dA_ptr + out[:, None] * C + c2, _to16(tl.where(strict, dA * scale, 0.0), dA_ptr.dtype.element_ty,
+                                                       EMULATE))
+        tl.store(dL_ptr + out[:, None] * C + c2, _to16(tl.where(strict, -dL, 0.0), dL_ptr.dtype.element_ty,
+                                                       EMULATE))
+
+    @triton.jit
+    def _bwd_dqkg_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, M_ptr, U_ptr, h_ptr, dh_ptr, dU_ptr, do_ptr,
+                         dA_ptr, dL_ptr, dAd_ptr, dq_ptr, dk_ptr, dg_ptr, dbk_ptr, T, H, K, V, N, scale,
+                         C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         HAS_RESET: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr, STATE: tl.constexpr,
+                         DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (key block kb, chunk n, row bh): dq, dk, dg of the block's channels [B, T, H, K] and dβ's part
+        # from them into dbk [K / BK, R, N, C] fp32.
+        kb = tl.program_id(0)
+        n = tl.program_id(1)
+        bh = tl.program_id(2).to(tl.int64)
+        NB: tl.constexpr = C // BC
+        rows = tl.arange(0, C)
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
+        first = (seg == 0)[:, None]
+        last = (seg == n_seg)[:, None]
+        out = (bh * N + n) * C + rows
+        st = bh * N + n
+        kk = kb * BK + tl.arange(0, BK)
+        mk = kk[None, :] < K
+        m = valid[:, None] & mk
+        g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + tok, mask=valid, other=0.0).to(tl.float32)
+        z = tl.zeros([C, BK], dtype=tl.float32)
+
+        # the anchored factors: per block of BC rows f = g(n_b, r], tail = g(j, m_b]; blocks' sums and first gates.
+        # (tail and e_last below drop a row's own gate from an inclusive suffix sum, as the forward does: the
+        # exponent stays ≤ 0 up to rounding, never a difference of two prefix sums that could overflow)
+        lr = (rows % BC)[:, None]
+        blk = (rows // BC)[:, None]
+        f = _block_cumsum(tl.where(lr > 0, g, 0.0), C, BC, BK, False)
+        tail = _block_cumsum(g, C, BC, BK, True) - g
+        g3 = tl.reshape(g, [NB, BC, BK])
+        bsum = tl.sum(g3, 1)                                                      # [NB, BK]
+        gfirst = tl.sum(tl.where((tl.arange(0, BC) == 0)[None, :, None], g3, 0.0), 1)
+        ia = tl.arange(0, NB)
+        ia4 = ia[:, None, None, None]
+        ib4 = ia[None, :, None, None]
+        ic4 = ia[None, None, :, None]
+        between = (ib4 < ic4) & (ic4 < ia4)                                       # blocks strictly between b, a
+        span = tl.sum(tl.where(between, bsum[None, None, :, :], 0.0), 2) + gfirst[:, None, :]   # g(m_b, n_a]
+        e_span = tl.where(ia[None, :, None] < ia[:, None, None], tl.exp(span), 0.0)             # [a, b, BK]
+        e_span = tl.reshape(tl.broadcast_to(e_span[:, :, None, :], [NB, NB, BC, BK]), [NB, C, BK])
+        ef = tl.exp(f)
+        a3 = ia[:, None, None]
+        b3 = blk[None, :, :]
+        E3 = tl.where(b3 < a3, e_span * tl.exp(tail)[None, :, :],
+                      tl.where(b3 == a3, tl.exp(-f)[None, :, :], 0.0))            # [anchor a, key j, BK]
+        K3 = _operand(kt[None, :, :] * E3, PAIR, DT, EMULATE)
+        qf = _operand(q * ef, PAIR, DT, EMULATE)
+        bf = _operand(beta[:, None] * kt * ef, PAIR, DT, EMULATE)
+        Q3 = tl.reshape(qf, [NB, BC, BK])
+        B3 = tl.reshape(bf, [NB, BC, BK])
+
+        # the pairwise sums, each (query block, key block) pair once: rows of block a of dAqk and dL [NB, BC, C]
+        # against the keys anchored at a, and their transposes against the rows of a
+        i3 = ia[:, None, None] * BC + tl.arange(0, BC)[None, :, None]
+        j3 = rows[None, None, :]
+        dA3 = tl.load(dA_ptr + (st * C + i3) * C + j3)
+        dL3 = tl.load(dL_ptr + (st * C + i3) * C + j3)
+        dAT3 = tl.permute(dA3, (0, 2, 1))                                          # [a, key j, row of a]
+        dLT3 = tl.permute(dL3, (0, 2, 1))
+        z3 = tl.zeros([NB, BC, BK], dtype=tl.float32)
+        xq3 = _dot(dA3, K3, z3, PAIR, DT, EMULATE)                                 # Σ_j dAqk_rj k_j e^{g(j,n_a]}
+        xl3 = _dot(dL3, K3, z3, PAIR, DT, EMULATE)
+        Y3 = _dot(dLT3, B3, _dot(dAT3, Q3, tl.zeros([NB, C, BK], dtype=tl.float32), PAIR, DT, EMULATE), PAIR, DT,
+                  EMULATE)                                                        # [a, key j, BK]
+        xq = tl.reshape(xq3, [C, BK])
+        xl = tl.reshape(xl3, [C, BK])
+        dkk = tl.sum(E3 * Y3, 0)
+        dgam = tl.reshape(Q3 * xq3 + B3 * xl3, [C, BK]) - tl.sum(K3 * Y3, 0)
+
+        # through the state
+        dqd = tl.zeros([C, BK], dtype=tl.float32)
+        dkd = tl.zeros([C, BK], dtype=tl.float32)
+        dw = tl.zeros([C, BK], dtype=tl.float32)
+        dd = tl.zeros([BK], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            vv = v0 + tl.arange(0, BV)
+            mv = vv[None, :] < V
+            m_kv = (kk[:, None] < K) & mv
+            S = tl.load(h_ptr + (st * K + kk[:, None]) * V + vv[None, :], mask=m_kv, other=0.0)
+            dS = tl.load(dh_ptr + (st * K + kk[:, None]) * V + vv[None, :], mask=m_kv, other=0.0)
+            U = tl.load(U_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
+            dU = tl.load(dU_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
+            do = tl.load(do_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
+            dqd = _dot(do, tl.trans(S), dqd, STATE, DT, EMULATE)
+            dkd = _dot(U, tl.trans(dS), dkd, STATE, DT, EMULATE)
+            dw = _dot(dU, tl.trans(S), dw, STATE, DT, EMULATE)
+            dd += tl.sum(S * dS, 1)
+        Mt = tl.trans(tl.load(M_ptr + out[:, None] * C + rows[None, :]))
+        dRw = -_dot(Mt, dw, z, SOLVE, DT, EMULATE)
+
+        dAd = tl.load(dAd_ptr + out)[:, None]
+        e_first = tl.where(first, tl.exp(tl.cumsum(g, 0)), 0.0)                   # e^{Γ_r}, first segment
+        e_last = tl.where(last, tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)   # e^{g(j, C−1]}, last one
+        dkq = ef * xl
+        dq = scale * e_first * dqd + ef * xq + dAd * kt
+        dk = beta[:, None] * (e_first * dRw + dkq) + e_last * dkd + dkk + dAd * q
+        db = tl.sum(kt * (e_first * dRw + dkq), 1)
+        # suffix sums (the pairwise part and the terms of q̃ and R_w) in one scan, exclusive prefix sums (the
+        # pairwise part, and k̃'s terms, which span the gates after j) in another
+        late = (2 * rows >= tl.minimum(T - n * C, C))[:, None]
+        s_pair, s_state = tl.associative_scan(
+            (dgam, beta[:, None] * kt * e_first * dRw + scale * q * e_first * dqd), 0, _add2, reverse=True)
+        _, p_pair, _, p_kd = tl.associative_scan((dgam, z, dkd * kt * e_last, z), 0, _excl_combine2)
+        dn = tl.where(n_seg == 0, tl.exp(tl.sum(g, 0)), 0.0)
+        dg = tl.where(late, s_pair, -p_pair) + s_state + p_kd + (dd * dn)[None, :]
+        tl.store(dq_ptr + tok[:, None] * K + kk[None, :], _to16(dq, dq_ptr.dtype.element_ty, EMULATE), mask=m)
+        tl.store(dk_ptr + tok[:, None] * K + kk[None, :], _to16(dk, dk_ptr.dtype.element_ty, EMULATE), mask=m)
+        tl.store(dg_ptr + tok[:, None] * K + kk[None, :], _to16(dg, dg_ptr.dtype.element_ty, EMULATE), mask=m)
+        tl.store(dbk_ptr + (kb * tl.num_programs(2) * N + st) * C + rows, db)
+
+
+OVERLAP = False
+"""On a GPU, run the reverse state pass on a side stream beside the forward one (False: one after the other). Off:
+each pass alone leaves program slots idle, but side by side they took as long as in turn (H200, K3 shape)."""
+
+RECOMPUTE = "v2"
+"""The forward's intra-chunk kernel the backward recomputes its scratch with: "v2" or "v3" of `kda_triton` (fp32
+scratch, which the reverse state pass takes); the `impl` argument overrides it."""
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def dav_config(C: int, V: int, ieee: bool) -> dict:
+    """`_bwd_dav_kernel`'s launch config: value channels in pieces of 64 (16 for IEEE dots, whose operands sit in
+    registers) beside three [C, C] fp32 tiles, 8 warps at C = 64 (sm_90 offline compile at V = 128: bf16 241
+    registers, fp32 196, no spills; fp32 at 32 columns 0.35 KB of spills a thread)."""
+    return dict(BV=min(_pow2(V), 16 if ieee else 64), num_warps=8 if C >= 64 else 4, num_stages=1)
+
+
+def dqkg_config(C: int, K: int, V: int, ieee: bool) -> dict:
+    """`_bwd_dqkg_kernel`'s launch config: key channels in pieces of 16 (the keys anchored at every sub-block are a
+    [C/16, C, BK] tensor, beside the [C/16, 16, C] rows of dAqk and dL and their transposes), value channels of 32;
+    4 warps for 16-bit inputs, 8 for IEEE dots at C = 64. sm_90 offline compile at K = V = 128: bf16 255
+    registers, no spills, 4.9 K instructions a warp (two programs an SM), against 4.1 K a warp at 8 warps (one
+    program an SM: 1.7x the instructions a program) and 0.55 KB of spills with 32-channel key pieces; fp32 255
+    registers, no spills."""
+    return dict(BK=16, BV=min(_pow2(V), 32), num_warps=8 if C >= 64 and ieee else 4, num_stages=1)
+
+
+def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                         reset: Tensor | None, do: Tensor, dsN: Tensor | None, *, scale: float,
+                         chunk_size: int = 64, impl: str | None = None
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The gradients of `kda_chunk_fwd_triton`'s (o, final state) w.r.t. q, k, v, g, beta and the initial state,
+    given do [B, T, H, V] and dsN [B, H, K, V] float32 or None: `kda_triton.kda_chunk_bwd_triton`'s contract
+    (returns dq, dk, dv in q's dtype, dg, dbeta in g's and beta's, dh0 [B, H, K, V] float32 or None), computed by
+    the kernels of the module docstring. impl: the recompute's intra-chunk kernel, "v2" or "v3" (None:
+    `RECOMPUTE`).
+
+    Scratch beyond the forward's: (I + L)⁻¹ [R, N, C, C], S_n and dS_{n+1} [R, N, K, V] and dU [R, N, C, V] in fp32,
+    dAqk and dL [R, N, C, C] in the pairwise operand type."""
+    _check(q, k, v, g, beta, initial_state, reset, chunk_size, "kda_chunk_bwd_triton")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if do.shape != v.shape:
+        raise ValueError(f"kda_chunk_bwd_triton: do must be [B, T, H, V] = {list(v.shape)}, got {list(do.shape)}")
+    if dsN is not None and (dsN.shape != (B, H, K, V) or dsN.dtype != torch.float32):
+        raise ValueError(f"kda_chunk_bwd_triton: dsN must be float32 [B, H, K, V] = {[B, H, K, V]}, got "
+                         f"{dsN.dtype} {list(dsN.shape)}")
+    impl = RECOMPUTE if impl is None else impl
+    if impl not in ("v2", "v3"):
+        raise ValueError(f"kda_bwd_triton: impl={impl!r} must be 'v2' or 'v3' (or None: RECOMPUTE)")
+    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=True, impl=impl)
+    R, N, C = x["w"].shape[:3]
+    f32 = dict(dtype=torch.float32, device=q.device)
+    states = torch.empty(R, N, K, V, **f32)
+    dstates = torch.empty(R, N, K, V, **f32)
+    dU = torch.empty(R, N, C, V, **f32)
+    dh0 = torch.empty(B, H, K, V, **f32) if initial_state is not None else None
+    do = do.contiguous()
+    dsN = dsN.contiguous() if dsN is not None else None
+
+    def reverse_pass():
+        cfg = state_config(K, V, ieee=q.dtype not in _DT16)
+        _state_bwd_kernel[(R, triton.cdiv(V, cfg["BV"]))](
+            x["qd"], x["kd"], x["w"], x["A"], x["d"], do, dsN if dsN is not None else dstates, dstates, dU,
+            dh0 if dh0 is not None else dstates, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"],
+            HAS_DSN=dsN is not None, HAS_DH0=dh0 is not None, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **_dots(q.dtype, "state"))
+
+    # the two sequential passes are independent (the reverse one takes neither S_n nor U_n), and neither fills the
+    # GPU's program slots (one program per head and block of state columns): side by side on two streams. Every
+    # tensor the side stream touches was allocated before the fork and is freed after the join.
+    overlap = OVERLAP and q.is_cuda
+    if overlap:
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            reverse_pass()
+    _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=None, states=states,
+                block_v=V2["state_block"])
+    U = x["u"]                                                    # U_n now (the pass wrote it over u)
+    if overlap:
+        main.wait_stream(side)
+    else:
+        reverse_pass()
+    del x["w"], x["qd"], x["kd"], x["A"]
+
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    dq, dk, dv, dg = (torch.empty_like(t) for t in (q, k, v, g))
+    rst = reset.to(torch.int32).contiguous() if reset is not None else q
+    dots = _dots(q.dtype, "pair", "solve", "state")
+    pair16 = dict(dtype=torch.bfloat16 if dots["PAIR"] == "16" else torch.float32, device=q.device)
+    dA = torch.empty(R, N, C, C, **pair16)
+    dL = torch.empty(R, N, C, C, **pair16)
+    dA_diag = torch.empty(R, N, C, **f32)
+    cfg = dav_config(C, V, ieee=q.dtype not in _DT16)
+    dbv = torch.empty(R, N, C, **f32)
+    _bwd_dav_kernel[(N, R)](
+        v, beta, rst, x["M"], U, dU, do, dA, dL, dA_diag, dbv, dv, T, H, V, N, float(scale), C=C,
+        BV=cfg["BV"], HAS_RESET=reset is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SOLVE=dots["SOLVE"], STATE=dots["STATE"], DT=dots["DT"], EMULATE=dots["EMULATE"])
+    cfg = dqkg_config(C, K, V, ieee=q.dtype not in _DT16)
+    nkb = triton.cdiv(K, cfg["BK"])
+    dbk = torch.empty(nkb, R, N, C, **f32)
+    _bwd_dqkg_kernel[(nkb, N, R)](
+        q, k, g, beta, rst, x["M"], U, states, dstates, dU, do, dA, dL, dA_diag, dq, dk, dg, dbk, T, H, K, V, N,
+        float(scale), C=C, BC=SUB_CHUNK, BK=cfg["BK"], BV=cfg["BV"], HAS_RESET=reset is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **dots)
+    db = (dbv + dbk.sum(0)).view(B, H, N * C)[:, :, :T].transpose(1, 2)
+    return dq, dk, dv, dg, db.to(beta.dtype).contiguous(), dh0

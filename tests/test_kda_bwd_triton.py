@@ -1,0 +1,108 @@
+"""The chunk-parallel Triton KDA backward (kimi/ops/kda_bwd_triton.py) against the float64 autograd of the
+recurrence `delta_rule.kda_recurrent`: dq, dk, dv, dg, dβ and dh0, each against its own tolerance, with the inputs,
+helpers and tolerances of tests/test_kda_triton.py (its docstring gives how they were set).
+
+Measured on the CPU (interpreter, whose 16-bit dots round as the tensor cores do): fp32 ≤ 7.0e-7 for every
+gradient over the cases below (FP32_TOL 3e-6); bf16 dq, dk, dv ≤ 2.2e-3, dg ≤ 1.9e-3, dβ ≤ 1.4e-3, dh0 ≤ 5.1e-4
+(BWD_BF16_TOL 8e-3).
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from helpers import resets
+from test_kda_triton import (BWD_BF16_TOL, BWD_CASES, CASES, DEVICE, FP32_TOL, GATES, GRADS, _bwd_inputs,
+                             _check_grads, _f64, _inputs, _k3_inputs, _reference_grads)
+from kimi.ops import delta_rule
+from kimi.ops.registry import triton
+
+if triton is not None:
+    from kimi.ops import kda_bwd_triton as kb
+
+pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
+
+
+def _grads(x, reset, do, dsN, scale, **kw):
+    return kb.kda_chunk_bwd_triton(*(x[n] for n in GRADS), reset.to(DEVICE) if reset is not None else None, do,
+                                   dsN, scale=scale, **kw)
+
+
+@pytest.mark.parametrize("case", BWD_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_matches_float64_recurrence(case, dtype):
+    """The forward cases (resets inside chunks, at chunk edges, at the first and last token; −5 and near-zero
+    gates; with and without an initial state and a final-state gradient)."""
+    B, T, H, K, V, gate, pos, h0 = CASES[case]
+    x = _inputs(B, T, H, K, V, gate, dtype, h0)
+    reset = resets(B, T, pos) if pos else None
+    do, dsN = _bwd_inputs(x, BWD_CASES[case])
+    ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu() if dsN is not None else None, 0.25)
+    _check_grads(_grads(x, reset, do, dsN, 0.25), ref, x, FP32_TOL if dtype == torch.float32 else BWD_BF16_TOL)
+
+
+def test_backward_head_dim_128():
+    """K = V = 128 in bf16 (eight key blocks, two value blocks per program), a document start inside the short
+    chunk."""
+    x = _inputs(1, 40, 1, 128, 128, "bounded", torch.bfloat16)
+    reset = resets(1, 40, [[23]])
+    do, dsN = _bwd_inputs(x, True)
+    ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu(), 128 ** -0.5)
+    _check_grads(_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, BWD_BF16_TOL)
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data(), T=st.integers(1, 100), K=st.sampled_from([16, 24, 40]), V=st.sampled_from([16, 20, 48]),
+       chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES), h0=st.booleans(),
+       with_dsN=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_backward_any_shape(data, T, K, V, chunk_size, gate, h0, with_dsN, seed):
+    """Drawn lengths (T not a multiple of the chunk), widths (a second, masked key or value block), chunk sizes,
+    gates, and document starts both at chunk and sub-block edges and anywhere, fp32."""
+    x = _inputs(1, T, 1, K, V, gate, h0=h0, seed=seed)
+    edges = [t for t in range(0, T, 16)]
+    pos = data.draw(st.lists(st.sampled_from(edges), max_size=2)) + data.draw(
+        st.lists(st.integers(0, T - 1), max_size=3))
+    reset = resets(1, T, [pos])
+    do, dsN = _bwd_inputs(x, with_dsN, torch.Generator().manual_seed(seed))
+    ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu() if dsN is not None else None, 0.25)
+    _check_grads(_grads(x, reset, do, dsN, 0.25, chunk_size=chunk_size), ref, x, FP32_TOL)
+
+
+def test_backward_rejects_bad_gradients():
+    x = _inputs(1, 20, 1, 16, 16)
+    do, dsN = _bwd_inputs(x, True)
+    with pytest.raises(ValueError, match="do must be"):
+        _grads(x, None, do[:, :10], dsN, 0.25)
+    with pytest.raises(ValueError, match="dsN must be"):
+        _grads(x, None, do, dsN.double(), 0.25)
+
+
+# ---------------------------------------------------------------------------------------------- H200
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("documents", [False, True])
+def test_gpu_backward_k3_shape_matches_chunk(documents):
+    """bf16 at B = 1, T = 8192, H = 96, K = V = 128, with a final-state gradient: every gradient against the fp32
+    autograd of `kda_chunk` (IEEE matmuls) on the same inputs."""
+    x, reset = _k3_inputs(torch.bfloat16)
+    reset = reset.cuda() if documents else None
+    do, dsN = _bwd_inputs(x, True)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = _reference_grads(x, reset, do, dsN, 128 ** -0.5, fn=delta_rule.kda_chunk, dtype=torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    _check_grads(_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, BWD_BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_backward_matches_float64_recurrence(dtype):
+    """K = V = 128 over 16 chunks and 8 heads with documents against the float64 autograd of the recurrence:
+    fp32 within 2e-5, bf16 within BWD_BF16_TOL."""
+    x, _ = _k3_inputs(dtype, T=1024, H=8)
+    reset = resets(1, 1024, [[100, 640, 641]]).cuda()
+    do, dsN = _bwd_inputs(x, True)
+    ref = _reference_grads(x, reset, do, dsN, 128 ** -0.5)
+    _check_grads(_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, 2e-5 if dtype == torch.float32 else BWD_BF16_TOL)
