@@ -41,14 +41,15 @@ def test_backward_matches_float64_recurrence(case, dtype):
     _check_grads(_grads(x, reset, do, dsN, 0.25), ref, x, FP32_TOL if dtype == torch.float32 else BWD_BF16_TOL)
 
 
-def test_backward_head_dim_128():
+@pytest.mark.parametrize("impl", ["v2", "v3"])
+def test_backward_head_dim_128(impl):
     """K = V = 128 in bf16 (eight key blocks, two value blocks per program), a document start inside the short
-    chunk."""
+    chunk; the scratch recomputed by either forward kernel (`RECOMPUTE`)."""
     x = _inputs(1, 40, 1, 128, 128, "bounded", torch.bfloat16)
     reset = resets(1, 40, [[23]])
     do, dsN = _bwd_inputs(x, True)
     ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu(), 128 ** -0.5)
-    _check_grads(_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, BWD_BF16_TOL)
+    _check_grads(_grads(x, reset, do, dsN, 128 ** -0.5, impl=impl), ref, x, BWD_BF16_TOL)
 
 
 @settings(max_examples=6, deadline=None)

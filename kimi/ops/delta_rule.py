@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import compute_dtype
-from . import delta_rule_triton, kda_decode_triton, kda_triton
+from . import delta_rule_triton, kda_bwd_triton, kda_decode_triton, kda_triton
 from .registry import traceable
 
 SUB_CHUNK = 16  # BC: rows of one pairwise (diagonal) block
@@ -412,11 +412,11 @@ def _(q, k, v, g, beta, initial_state=None, reset=None, *, scale):
 def kda_triton_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                    reset: Tensor | None, do: Tensor, ds: Tensor, *,
                    scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of `kimi::kda_triton` (`kda_triton.kda_chunk_bwd_triton`: the intra-chunk scratch and the states
-    recomputed, a reverse state pass, chunk-parallel gradient kernels), each in its input's dtype; the initial
-    state's gradient is zeros when there was none."""
+    """Gradients of `kimi::kda_triton` (`kda_bwd_triton.kda_chunk_bwd_triton`: the intra-chunk scratch and the
+    states recomputed, a reverse state pass, chunk-parallel kernels for the value and the key side), each in its
+    input's dtype; the initial state's gradient is zeros when there was none."""
     s0 = initial_state.float() if initial_state is not None else None
-    grads = kda_triton.kda_chunk_bwd_triton(q, k, v, g, beta, s0, reset, do, ds.float(), scale=scale)
+    grads = kda_bwd_triton.kda_chunk_bwd_triton(q, k, v, g, beta, s0, reset, do, ds.float(), scale=scale)
     dh0 = grads[5] if grads[5] is not None else q.new_zeros(ds.shape, dtype=torch.float32)
     like = (q, k, v, g, beta, initial_state if initial_state is not None else dh0)
     return tuple(d.to(t.dtype).contiguous() for d, t in zip((*grads[:5], dh0), like))

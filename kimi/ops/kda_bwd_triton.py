@@ -216,9 +216,10 @@ OVERLAP = False
 """On a GPU, run the reverse state pass on a side stream beside the forward one (False: one after the other). Off:
 each pass alone leaves program slots idle, but side by side they took as long as in turn (H200, K3 shape)."""
 
-RECOMPUTE = "v2"
+RECOMPUTE = "v3"
 """The forward's intra-chunk kernel the backward recomputes its scratch with: "v2" or "v3" of `kda_triton` (fp32
-scratch, which the reverse state pass takes); the `impl` argument overrides it."""
+scratch, which the reverse state pass takes); the `impl` argument overrides it. "v3", the faster on the H200
+(docs/performance.md#kda)."""
 
 
 @functools.cache
