@@ -2,8 +2,8 @@
 implementation spends its time at one shape (default B = 1, T = 8192, H = 96, D = 128; the inputs of
 tests/bench/kda.py).
 
-    PYTHONPATH=. python tests/bench/kda_profile.py                   # ours ("v2" forward) and fla safe-gate
-    PYTHONPATH=. python tests/bench/kda_profile.py --impl v1 --no-fla
+    PYTHONPATH=. python tests/bench/kda_profile.py                   # ours (kda="triton"'s kernels) and fla's
+    PYTHONPATH=. python tests/bench/kda_profile.py --impl v1 --no-fla   # another forward; the backward is the op's
 
 fla autotunes its kernels on the first call at a shape (a minute or more of device time); `--no-fla` skips it.
 """
@@ -22,13 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kda import inputs  # noqa: E402
 from kernel_profile import profile_kernels  # noqa: E402
 
+from kimi.ops import kda_bwd_triton as kb  # noqa: E402
 from kimi.ops import kda_triton as kt  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8192x96", help="TxH")
-    ap.add_argument("--impl", default="v2", help="the forward of kda_triton (v1, v2, ...)")
+    ap.add_argument("--impl", default=None, help="the forward of kda_triton (v1, v2, v3; default FORWARD)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-fla", action="store_true")
     a = ap.parse_args()
@@ -42,8 +43,7 @@ def main():
 
     def ours_fwd_bwd():
         ours_fwd()
-        kt.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], None, do, None, scale=scale,
-                                impl=a.impl)
+        kb.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], None, do, None, scale=scale)
 
     runs = [(f"ours impl={a.impl}, forward", ours_fwd), (f"ours impl={a.impl}, forward+backward", ours_fwd_bwd)]
     if not a.no_fla:
