@@ -45,7 +45,8 @@ def main():
         ours_fwd()
         kb.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], None, do, None, scale=scale)
 
-    runs = [(f"ours impl={a.impl}, forward", ours_fwd), (f"ours impl={a.impl}, forward+backward", ours_fwd_bwd)]
+    impl = a.impl or kt.FORWARD
+    runs = [(f"ours impl={impl}, forward", ours_fwd), (f"ours impl={impl}, forward+backward", ours_fwd_bwd)]
     if not a.no_fla:
         try:
             from fla.ops.kda import chunk_kda
