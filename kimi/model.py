@@ -150,10 +150,11 @@ def recomputed(layer: Callable = layer_step) -> Callable:
     """`layer` (a `forward(layer=)` callable) with activation checkpointing: its activations are freed after the
     forward and recomputed from the layer's inputs in the backward (`torch.utils.checkpoint`, non-reentrant), so a
     training step holds one layer's activations at a time instead of every layer's
-    (docs/performance.md#activation-checkpointing). Selective: the outputs of the ops in `RECOMPUTE_KEEPS` (the indexer's selection, the router's
-    top-k) are saved, not recomputed, so the recomputed layer attends to the same keys and routes to the same
-    experts as the forward did, whatever the rounding of a recompiled recompute. Works eagerly, inside
-    `torch.compile` (the region becomes a checkpoint node the partitioner recomputes) and inside FSDP2 units."""
+    (docs/performance.md#activation-checkpointing). Selective: the outputs of the ops in `RECOMPUTE_KEEPS` (the
+    indexer's selection, the router's top-k) are saved, not recomputed, so the recomputed layer attends to the same
+    keys and routes to the same experts as the forward did, whatever the rounding of a recompiled recompute. Works
+    eagerly, inside `torch.compile` (the region becomes a checkpoint node the partitioner recomputes) and inside
+    FSDP2 units."""
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     def policy(ctx, op, *args, **kwargs):

@@ -97,8 +97,8 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
     io_fwd, io_all = 1540 * T * H * D / 128, 4364 * T * H * D / 128
     print(f"\nKDA core, B = 1, T = {T:,}, H = {H}, D = {D}: forward {flops / 1e12:.3f} TFLOP, floor "
           f"{flops / PEAK_TFLOPS / 1e9:.3f} ms compute, {io_fwd / PEAK_TBS / 1e9:.3f} ms I/O", flush=True)
-    print("| implementation | pass | ms | TFLOP/s | TB/s | peak GiB | vs fla safe gate |\n|---|---|---|---|---|---|---|",
-          flush=True)
+    print("| implementation | pass | ms | TFLOP/s | TB/s | peak GiB | vs fla safe gate |", flush=True)
+    print("|---|---|---|---|---|---|---|", flush=True)
     ref = {}
 
     def row(name, pas, fn):
