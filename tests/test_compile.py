@@ -41,8 +41,9 @@ def params():
     return kimi.init_params(CFG, seed=0)
 
 
-def _batch(B=2, T=24):
-    ids = torch.randint(0, CFG.vocab_size, (B, T))
+def _batch(B=2, T=24, seed=None):
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    ids = torch.randint(0, CFG.vocab_size, (B, T), generator=gen)
     doc = torch.cat([torch.zeros(B, T // 3, dtype=torch.long), torch.ones(B, T - T // 3, dtype=torch.long)], 1)
     return ids, doc
 
@@ -278,8 +279,12 @@ def test_inductor_forward_backward_equals_eager(params):
     """The traced chunk core through Inductor's generated code (the slow one: C++ compilation). T = 128 is two full
     KDA chunks: nothing is padded, so the gradient reaching the chunk hand-off scan keeps the consumer's
     [B, T, H, V] layout; without `kimi.ops.delta_rule._ContiguousGrad` this fails to compile ("Cannot view a
-    tensor with shape [2, 4, 64, 32] and strides (16384, 32, 128, 1) as (8, 64, 32)")."""
-    ids, doc = _batch(2, 128)
+    tensor with shape [2, 4, 64, 32] and strides (16384, 32, 128, 1) as (8, 64, 32)"). One fixed batch: one draw in many
+    (KIMI_TEST_SEED=307622452, before this batch was fixed) put the compiled logits 3.7e-3 from float64 against
+    eager's 4.6e-7, at this commit and at earlier ones alike: a discrete change, most likely a near-tie of the
+    router's top-2 or the indexer's top-16 flipped by Inductor's fp32 reordering, which this test is not about; a
+    miscompile still shows on any batch."""
+    ids, doc = _batch(2, 128, seed=0)
     backend = kimi.Backend(kda="chunk")
     compiled = torch.compile(kimi.forward, fullgraph=True)
     out, grads = _loss_and_grads(params, ids, doc, backend, compiled)
