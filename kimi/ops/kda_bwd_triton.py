@@ -1,9 +1,16 @@
 """Triton backward of chunked KDA in chunk-parallel kernels (notation of `kda_triton`'s module docstring).
 
-`kda_chunk_bwd_triton` here has the contract of `kda_triton.kda_chunk_bwd_triton` and shares its first three
-launches (the recompute of the intra-chunk scratch with (I + L)⁻¹, the forward state pass storing S_n and U_n, the
-reverse state pass storing dS_{n+1} and dU_n, which may run side by side on two streams: `OVERLAP`); the
-per-chunk token gradients are split in two kernels:
+`kda_chunk_bwd_triton` gives the gradients of `kda_triton.kda_chunk_fwd_triton`'s (o, final state). Its first
+launches: the intra-chunk scratch again, with (I + L)⁻¹, in fp32; the forward state pass storing every chunk's
+entering state S_n and U_n; the reverse state pass (`kda_triton._state_bwd_kernel`, per row and block of state
+columns, chunks n = N−1..0 from dS_N, the final state's gradient)
+
+    dU_n = Aqk_nᵀ dO_n + k̃_n dS_{n+1},    dS_n = q̃_nᵀ dO_n + diag(d_n) dS_{n+1} − w_nᵀ dU_n,
+
+storing dS_{n+1} and dU_n (dS_0 is the initial state's gradient); the two sequential passes may run side by side on
+two streams (`OVERLAP`). Through the state, dq̃ = dO S_nᵀ, dk̃ = U dS_{n+1}ᵀ, dw = −dU S_nᵀ, dd = Σ_v S_n ⊙ dS_{n+1},
+dAqk = dO Uᵀ; through the solves X = (I + L)⁻¹ R, dR = (I + L)⁻ᵀ dX, and dL = −(dR_w wᵀ + dR_u uᵀ) collapses to
+−dR_u Uᵀ because u = U + w S_n and dR_w = −dR_u S_nᵀ. The per-chunk token gradients are then split in two kernels:
 
 1. `_bwd_dav_kernel`, one program per (chunk, sequence × head): the value side. dAqk = s·dO Uᵀ (on Aqk's strict
    pattern, its diagonal apart), dR_u = (I + L)⁻ᵀ dU, dL = −dR_u Uᵀ (on L's pattern), dv = β dR_u and dβ's value
@@ -38,7 +45,7 @@ import functools
 import torch
 from torch import Tensor
 
-from .kda_triton import _DT16, SUB_CHUNK, V2, _check, _dots, _pow2, _state_pass, kda_intra_triton, state_config
+from .kda_triton import _DT16, SUB_CHUNK, V3, _check, _dots, _pow2, _state_pass, kda_intra_triton, state_config
 from .registry import tl, triton
 
 if triton is not None:
@@ -216,12 +223,6 @@ OVERLAP = False
 """On a GPU, run the reverse state pass on a side stream beside the forward one (False: one after the other). Off:
 each pass alone leaves program slots idle, but side by side they took as long as in turn (H200, K3 shape)."""
 
-RECOMPUTE = "v3"
-"""The forward's intra-chunk kernel the backward recomputes its scratch with: "v2" or "v3" of `kda_triton` (fp32
-scratch, which the reverse state pass takes); the `impl` argument overrides it. "v3", the faster on the H200
-(docs/performance.md#kda)."""
-
-
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
@@ -246,13 +247,14 @@ def dqkg_config(C: int, K: int, V: int, ieee: bool) -> dict:
 
 def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                          reset: Tensor | None, do: Tensor, dsN: Tensor | None, *, scale: float,
-                         chunk_size: int = 64, impl: str | None = None
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+                         chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The gradients of `kda_chunk_fwd_triton`'s (o, final state) w.r.t. q, k, v, g, beta and the initial state,
-    given do [B, T, H, V] and dsN [B, H, K, V] float32 or None: `kda_triton.kda_chunk_bwd_triton`'s contract
-    (returns dq, dk, dv in q's dtype, dg, dbeta in g's and beta's, dh0 [B, H, K, V] float32 or None), computed by
-    the kernels of the module docstring. impl: the recompute's intra-chunk kernel, "v2" or "v3" (None:
-    `RECOMPUTE`).
+    given do [B, T, H, V] (the output's gradient) and dsN [B, H, K, V] float32 or None (the final state's).
+
+    Inputs as the forward's (same contract: bounded gates, resets, fp32 / 16-bit). Returns (dq, dk, dv, dg, dbeta,
+    dh0), each gradient in its input's dtype (dq, dk, dv in q's; dg and dbeta in g's and beta's, fp32 in the
+    layer) and dh0 [B, H, K, V] float32, None without an initial state; computed by the kernels of the module
+    docstring, all state math in fp32.
 
     Scratch beyond the forward's: (I + L)⁻¹ [R, N, C, C], S_n and dS_{n+1} [R, N, K, V] and dU [R, N, C, V] in fp32,
     dAqk and dL [R, N, C, C] in the pairwise operand type."""
@@ -264,10 +266,7 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     if dsN is not None and (dsN.shape != (B, H, K, V) or dsN.dtype != torch.float32):
         raise ValueError(f"kda_chunk_bwd_triton: dsN must be float32 [B, H, K, V] = {[B, H, K, V]}, got "
                          f"{dsN.dtype} {list(dsN.shape)}")
-    impl = RECOMPUTE if impl is None else impl
-    if impl not in ("v2", "v3"):
-        raise ValueError(f"kda_bwd_triton: impl={impl!r} must be 'v2' or 'v3' (or None: RECOMPUTE)")
-    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=True, impl=impl)
+    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=True)
     R, N, C = x["w"].shape[:3]
     f32 = dict(dtype=torch.float32, device=q.device)
     states = torch.empty(R, N, K, V, **f32)
@@ -294,8 +293,8 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         side.wait_stream(main)
         with torch.cuda.stream(side):
             reverse_pass()
-    _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, out=None, states=states,
-                block_v=V2["state_block"])
+    _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, states=states,
+                block_v=V3["state_block"])
     U = x["u"]                                                    # U_n now (the pass wrote it over u)
     if overlap:
         main.wait_stream(side)

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python tests/bench/kda.py                         # H200: T = 8192, H = 96 and the decode step
     PYTHONPATH=. python tests/bench/kda.py --shapes 8192x96 32768x32 65536x8 --chunk-triton
-    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-v3 --v3-variants defaults split
+    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --variants defaults split
 
 fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
 by default.
@@ -10,12 +10,10 @@ by default.
 Chunked rows, B = 1, D = K = V = 128 at (T, H) = (8192, 96), (32768, 32), (65536, 8): bf16 q, k (unit rows) and v,
 fp32 log-decay g from K3's bounded gate (lower bound -5), fp32 beta, an fp32 initial state, the final state
 returned. Rows: fla's `chunk_kda` with its defaults and with `safe_gate=True, lower_bound=-5` (when fla imports),
-the project's `Backend(kda="triton")` (the Triton forward, and forward+backward once its op has a backward), the
-"v2" forward (`kda_chunk_fwd_triton(impl="v2")`, with each of `V2_VARIANTS`' options of kda_triton.V2, and its
-kernels timed apart), the "v3" forward likewise (`V3_VARIANTS` of kda_triton.V3; `--only-v3`: only those, after
-the "v1" forward, `--v3-variants` picking some), forward+backward through the plain `kda_chunk_fwd_triton` +
-`kda_chunk_bwd_triton` for impl "v1" and "v2" (the backward recomputes with the same kernels) and, with
-`--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
+the project's `Backend(kda="triton")` (the op `kimi::kda_triton`: forward, its three kernels timed apart, and
+forward+backward), the forward with each of `VARIANTS`' options of kda_triton.V3 (`--variants` picking some;
+`--only-variants`: only those) and, with `--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile
+(minutes of compile).
 
 Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's `fused_recurrent_kda` (state in,
 final state out) against the project's in-place step (`kda_step_inplace_triton`, q and k already normalized) and
@@ -87,8 +85,8 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton: bool, only_v3: bool = False,
-               v3_variants: list | None = None) -> None:
+def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton: bool, only_variants: bool = False,
+               variants: list | None = None) -> None:
     dev = torch.device("cuda")
     x = inputs(T, H, D, dev)
     do = torch.randn_like(x["v"])
@@ -120,8 +118,8 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
         return [t.detach().requires_grad_() for t in ts]
 
     outs = {}
-    if only_v3:
-        v3_rows(x, T, H, D, scale, row, outs, peer=True, variants=v3_variants)
+    if only_variants:
+        variant_rows(x, T, H, D, scale, row, outs, variants)
         first = next(iter(outs.values()))
         print("output difference against the first row: " + ", ".join(
             f"{n} {rel(o, first):.1e}" for n, o in list(outs.items())[1:]), flush=True)
@@ -142,13 +140,7 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
             row(name, "forward", fwd)
             row(name, "forward+backward", fwd_bwd)
 
-    core = IMPLEMENTATIONS["kda"].get("triton")
-    if core is None:
-        from kimi.ops import kda_triton
-        core = kda_triton.kda_chunk_fwd_triton
-        backward = False
-    else:
-        backward = True
+    core = IMPLEMENTATIONS["kda"]["triton"]
     name = 'ours, kda="triton"'
 
     def ours_fwd():
@@ -161,28 +153,9 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
         o.backward(do)
     outs[name] = ours_fwd()[0]
     row(name, "forward", ours_fwd)
-    from kimi.ops import kda_triton as kt
-    x16 = kt.kda_intra_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale)
-    row(f"{name}: its intra-chunk kernel", "forward",
-        lambda: kt.kda_intra_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale))
-    o = torch.empty_like(x["v"])
-    row(f"{name}: its state pass (writes o)", "forward",
-        lambda: kt._state_pass(x16, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True, out=o))
-    del x16
-    if backward:
-        row(name, "forward+backward", ours_fwd_bwd)
-    else:
-        print(f"| {name} | forward+backward | (no backward yet) | | | | |", flush=True)
-    for impl in ("v1", "v2"):   # the plain functions (no op layer), each forward with its backward's recompute
-        if impl == "v2":
-            v2_rows(x, T, H, D, scale, row, outs)
-            v3_rows(x, T, H, D, scale, row, outs)
-
-        def plain_fwd_bwd(impl=impl):
-            kt.kda_chunk_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], scale=scale, impl=impl)
-            kt.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], None, do, None, scale=scale,
-                                    impl=impl)
-        row(f"kda_chunk_fwd_triton + kda_chunk_bwd_triton, impl={impl}", "forward+backward", plain_fwd_bwd)
+    kernel_rows(x, T, H, D, scale, row, name)
+    row(name, "forward+backward", ours_fwd_bwd)
+    variant_rows(x, T, H, D, scale, row, outs, variants)
 
     if with_chunk_triton:
         from kimi.config import Backend
@@ -201,46 +174,6 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
         first = next(iter(outs.values()))
         print("output difference against the first row: " + ", ".join(
             f"{n} {rel(o, first):.1e}" for n, o in list(outs.items())[1:]), flush=True)
-
-
-V2_VARIANTS = {"64 state columns": {}, "32 state columns": dict(state_block=32),
-               "bf16 w, q~, k~": dict(scratch="16"), "bf16 S_n": dict(states="16"),
-               "bf16 w, q~, k~ and S_n": dict(scratch="16", states="16")}
-
-
-def v2_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict) -> None:
-    """The "v2" forward (kda_triton.V2's options), whole and by kernel."""
-    from kimi.ops import kda_triton as kt
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    R, N = H, -(-T // 64)
-    for variant, options in V2_VARIANTS.items():
-        saved = dict(kt.V2)
-        kt.V2.update(options)
-        try:
-            name = f"ours v2 ({variant})"
-
-            def fwd():
-                with torch.no_grad():
-                    return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale, impl="v2")
-            outs[name] = fwd()[0]
-            row(name, "forward", fwd)
-            if variant not in ("64 state columns", "bf16 w, q~, k~ and S_n"):
-                continue
-            scratch = torch.bfloat16 if kt.V2["scratch"] == "16" else torch.float32
-            sd = torch.bfloat16 if kt.V2["states"] == "16" else torch.float32
-            row(f"{name}: its intra-chunk kernel", "forward",
-                lambda: kt.kda_intra_triton(*args, scale=scale, impl="v2", scratch=scratch))
-            xs = kt.kda_intra_triton(*args, scale=scale, impl="v2", scratch=scratch)
-            states = torch.empty(R, N, D, D, dtype=sd, device=x["q"].device)
-            row(f"{name}: its state pass (S_n, U_n)", "forward",
-                lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
-                                       out=None, states=states, block_v=kt.V2["state_block"]))
-            o = torch.empty_like(x["v"])
-            row(f"{name}: its output kernel", "forward", lambda: kt._output_pass(xs, states, o, x["q"].dtype))
-            del xs, states
-        finally:
-            kt.V2.clear()
-            kt.V2.update(saved)
 
 
 def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: bool = False) -> None:
@@ -302,54 +235,53 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
             print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} |", flush=True)
 
 
-V3_VARIANTS = {"defaults": {}, "key pieces of 32": dict(block_k=32), "no diagonal inverse": dict(diag_inverse=False),
-               "one stage": dict(stages=1), "w pieces of 16": dict(block_kw=16), "split": dict(split=True),
-               "state pass two stages": dict(state_stages=2),
-               "fp32 scratch and S_n": dict(scratch="fp32", states="fp32")}
+VARIANTS = {"defaults": {}, "key pieces of 32": dict(block_k=32), "no diagonal inverse": dict(diag_inverse=False),
+            "one stage": dict(stages=1), "w pieces of 16": dict(block_kw=16), "split": dict(split=True),
+            "state pass two stages": dict(state_stages=2), "32 state columns": dict(state_block=32),
+            "fp32 scratch and S_n": dict(scratch="fp32", states="fp32")}
 
 
-def v3_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict, peer: bool = False,
-            variants: list | None = None) -> None:
-    """The "v3" forward (kda_triton.V3's options; `variants`: those of V3_VARIANTS, None all), whole and by kernel;
-    with `peer` first the "v1" forward (the default before "v3")."""
+def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
+    """The forward's three kernels (kda_triton.V3 as it stands) timed apart."""
     from kimi.ops import kda_triton as kt
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     R, N = H, -(-T // 64)
-    if peer:
-        def fwd1():
-            with torch.no_grad():
-                return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale, impl="v1")
-        outs["ours v1"] = fwd1()[0]
-        row("ours v1", "forward", fwd1)
-    for variant, options in V3_VARIANTS.items():
-        if variants is not None and variant not in variants:
+    scratch = torch.bfloat16 if kt.V3["scratch"] == "16" else torch.float32
+    sd = torch.bfloat16 if kt.V3["states"] == "16" else torch.float32
+    row(f"{name}: its intra-chunk kernel{'s' if kt.V3['split'] else ''}", "forward",
+        lambda: kt.kda_intra_triton(*args, scale=scale, scratch=scratch))
+    xs = kt.kda_intra_triton(*args, scale=scale, scratch=scratch)
+    states = torch.empty(R, N, D, D, dtype=sd, device=x["q"].device)
+    launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
+    row(f"{name}: its state pass (S_n, U_n)", "forward",
+        lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
+                               states=states, block_v=kt.V3["state_block"], launch=launch))
+    o = torch.empty_like(x["v"])
+    row(f"{name}: its output kernel", "forward", lambda: kt._output_pass(xs, states, o, x["q"].dtype))
+
+
+def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict, variants: list | None) -> None:
+    """The forward with kda_triton.V3's options (`variants`: names of VARIANTS; None: all but "defaults"), whole
+    and, for the intra-chunk options, its intra-chunk kernel."""
+    from kimi.ops import kda_triton as kt
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    for variant, options in VARIANTS.items():
+        if (variants is None and variant == "defaults") or (variants is not None and variant not in variants):
             continue
         saved = dict(kt.V3)
         kt.V3.update(options)
         try:
-            name = f"ours v3 ({variant})"
+            name = f"ours, V3 {variant}"
 
             def fwd():
                 with torch.no_grad():
-                    return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale, impl="v3")
+                    return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale)
             outs[name] = fwd()[0]
             row(name, "forward", fwd)
-            scratch = torch.bfloat16 if kt.V3["scratch"] == "16" else torch.float32
-            if "state" in variant:
+            if "state" in variant or "scratch" in variant:
                 continue
             row(f"{name}: its intra-chunk kernel{'s' if kt.V3['split'] else ''}", "forward",
-                lambda: kt.kda_intra_triton(*args, scale=scale, impl="v3", scratch=scratch))
-            if variant != "defaults":
-                continue
-            sd = torch.bfloat16 if kt.V3["states"] == "16" else torch.float32
-            xs = kt.kda_intra_triton(*args, scale=scale, impl="v3", scratch=scratch)
-            states = torch.empty(R, N, D, D, dtype=sd, device=x["q"].device)
-            row(f"{name}: its state pass (S_n, U_n)", "forward",
-                lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
-                                       out=None, states=states, block_v=kt.V3["state_block"]))
-            o = torch.empty_like(x["v"])
-            row(f"{name}: its output kernel", "forward", lambda: kt._output_pass(xs, states, o, x["q"].dtype))
-            del xs, states
+                lambda: kt.kda_intra_triton(*args, scale=scale, scratch=torch.bfloat16))
         finally:
             kt.V3.clear()
             kt.V3.update(saved)
@@ -365,8 +297,8 @@ def main() -> None:
     ap.add_argument("--no-fla-chunk", action="store_true",
                     help="skip fla's chunk_kda rows (its autotuning takes minutes a shape)")
     ap.add_argument("--chunk-triton", action="store_true", help='also kda="chunk_triton" under torch.compile')
-    ap.add_argument("--only-v3", action="store_true", help='only the "v3" forward rows (and v1\'s beside them)')
-    ap.add_argument("--v3-variants", nargs="*", default=None, help=f"of {list(V3_VARIANTS)} (default: all)")
+    ap.add_argument("--only-variants", action="store_true", help="only the rows of the forward's variants")
+    ap.add_argument("--variants", nargs="*", default=None, help=f"of {list(VARIANTS)} (default: all)")
     a = ap.parse_args()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
@@ -375,7 +307,7 @@ def main() -> None:
         chunk_kda = None
     for shape in a.shapes:
         T, H = (int(s) for s in shape.split("x"))
-        chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton, a.only_v3, a.v3_variants)
+        chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton, a.only_variants, a.variants)
         torch.cuda.empty_cache()
     if not a.no_decode:
         decode_rows(64, 96, 128, a.iters, fused_recurrent_kda, a.decode_sweep)

@@ -1,15 +1,14 @@
-"""The chunked KDA backward: `kda_triton.kda_chunk_bwd_triton` (one program per chunk forms every token gradient)
-against `kda_bwd_triton.kda_chunk_bwd_triton` (chunk-parallel kernels), and fla's `chunk_kda` with `--fla`.
+"""The chunked KDA backward (`kda_bwd_triton.kda_chunk_bwd_triton`) and its launch variants, and fla's `chunk_kda`
+with `--fla`.
 
     PYTHONPATH=. python tests/bench/kda_bwd.py                  # H200: B = 1, T = 8192, H = 96, K = V = 128
     PYTHONPATH=. python tests/bench/kda_bwd.py --fla            # with fla's safe-gate chunk_kda (autotunes minutes)
 
 Inputs are tests/bench/kda.py's (bf16 q, k, v; fp32 bounded gates in [-5, 0], beta and initial state), the final
-state returned and its gradient absent (the layer's case). Rows: each backward alone and after the "v2" forward:
-the new one (recomputing with the "v2" intra-chunk kernel, then with "v3"), the old one, and the new one with the
-state passes the other way (`kda_bwd_triton.OVERLAP`) and with the dq/dk/dg kernel at 8 warps; time is the median
-of `--iters` calls after two warm-ups, peak the memory allocated during the call above what was allocated before
-(kda.py's `measure`). Then each new variant's gradients against the old one's, and (without `--quick`) each
+state returned and its gradient absent (the layer's case). Rows: each backward alone and after the forward: the
+default, the state passes the other way (`kda_bwd_triton.OVERLAP`) and the dq/dk/dg kernel at 8 warps; time is the
+median of `--iters` calls after two warm-ups, peak the memory allocated during the call above what was allocated
+before (kda.py's `measure`). Then each variant's gradients against the default's, and (without `--quick`) each
 backward's kernels per call (CUDA profiler).
 """
 
@@ -44,12 +43,7 @@ def main():
     scale = 128 ** -0.5
     do = torch.randn_like(x["v"])
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
-    backwards = {"new (kda_bwd_triton, recompute v2)": lambda: kb.kda_chunk_bwd_triton(*args, None, do, None,
-                                                                                      scale=scale, impl="v2"),
-                 "old (kda_triton, impl=v2)": lambda: kt.kda_chunk_bwd_triton(*args, None, do, None, scale=scale,
-                                                                              impl="v2"),
-                 "new (kda_bwd_triton, recompute v3)": lambda: kb.kda_chunk_bwd_triton(*args, None, do, None,
-                                                                                      scale=scale, impl="v3")}
+    backwards = {"default": lambda: kb.kda_chunk_bwd_triton(*args, None, do, None, scale=scale)}
 
     def variant(overlap=kb.OVERLAP, dqkg=None):
         def run():
@@ -58,25 +52,24 @@ def main():
             if dqkg is not None:
                 kb.dqkg_config = lambda *a, **k: {**config(*a, **k), **dqkg}
             try:
-                return kb.kda_chunk_bwd_triton(*args, None, do, None, scale=scale, impl="v2")
+                return kb.kda_chunk_bwd_triton(*args, None, do, None, scale=scale)
             finally:
                 kb.OVERLAP, kb.dqkg_config = before, config
         return run
-    backwards[f"new, recompute v2, state passes {'in turn' if kb.OVERLAP else 'on two streams'}"] = variant(
-        overlap=not kb.OVERLAP)
-    backwards["new, recompute v2, dq/dk/dg at 8 warps, 64 value columns"] = variant(dqkg=dict(num_warps=8, BV=64))
+    backwards[f"state passes {'in turn' if kb.OVERLAP else 'on two streams'}"] = variant(overlap=not kb.OVERLAP)
+    backwards["dq/dk/dg at 8 warps, 64 value columns"] = variant(dqkg=dict(num_warps=8, BV=64))
 
     def fwd():
-        kt.kda_chunk_fwd_triton(*args, scale=scale, impl="v2")
+        kt.kda_chunk_fwd_triton(*args, scale=scale)
 
     print(f"KDA backward, B = 1, T = {T:,}, H = {H}, K = V = 128, bf16\n| backward | pass | ms | peak GiB |\n"
           "|---|---|---|---|", flush=True)
     ms, peak = measure(fwd, a.iters)
-    print(f"| (v2 forward) | forward | {ms:.2f} | {peak:.2f} |", flush=True)
+    print(f"| (the forward) | forward | {ms:.2f} | {peak:.2f} |", flush=True)
     for name, bwd in list(backwards.items()):
         try:
             ms, peak = measure(bwd, a.iters)
-        except Exception as e:   # a row that cannot run (the v3 forward is still in development) leaves the rest
+        except Exception as e:   # a row that cannot run leaves the rest
             print(f"| {name} | backward | failed: {type(e).__name__}: {str(e)[:100]} | |", flush=True)
             del backwards[name]
             continue
@@ -96,10 +89,10 @@ def main():
         print(f"| fla chunk_kda, safe gate -5 | forward+backward | {ms:.2f} | {peak:.2f} |", flush=True)
 
     grads = {name: fn() for name, fn in backwards.items()}
-    old = grads.pop("old (kda_triton, impl=v2)", None)
-    for name, new in grads.items() if old is not None else ():
-        print(f"{name} against old: " + ", ".join(f"d{n} {rel(b, o):.1e}" for n, o, b in
-                                                  zip(("q", "k", "v", "g", "beta", "h0"), old, new)), flush=True)
+    base = grads.pop("default", None)
+    for name, new in grads.items() if base is not None else ():
+        print(f"{name} against the default: " + ", ".join(
+            f"d{n} {rel(b, o):.1e}" for n, o, b in zip(("q", "k", "v", "g", "beta", "h0"), base, new)), flush=True)
     if not (a.no_profile or a.quick):
         for name, bwd in backwards.items():
             def steps(bwd=bwd):

@@ -3,7 +3,7 @@ implementation spends its time at one shape (default B = 1, T = 8192, H = 96, D 
 tests/bench/kda.py).
 
     PYTHONPATH=. python tests/bench/kda_profile.py                   # ours (kda="triton"'s kernels) and fla's
-    PYTHONPATH=. python tests/bench/kda_profile.py --impl v1 --no-fla   # another forward; the backward is the op's
+    PYTHONPATH=. python tests/bench/kda_profile.py --no-fla --shape 65536x8   # ours only, another shape
 
 fla autotunes its kernels on the first call at a shape (a minute or more of device time); `--no-fla` skips it.
 """
@@ -29,7 +29,6 @@ from kimi.ops import kda_triton as kt  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8192x96", help="TxH")
-    ap.add_argument("--impl", default=None, help="the forward of kda_triton (v1, v2, v3; default FORWARD)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-fla", action="store_true")
     a = ap.parse_args()
@@ -39,14 +38,13 @@ def main():
     do = torch.randn_like(x["v"])
 
     def ours_fwd():
-        kt.kda_chunk_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], scale=scale, impl=a.impl)
+        kt.kda_chunk_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], scale=scale)
 
     def ours_fwd_bwd():
         ours_fwd()
         kb.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], None, do, None, scale=scale)
 
-    impl = a.impl or kt.FORWARD
-    runs = [(f"ours impl={impl}, forward", ours_fwd), (f"ours impl={impl}, forward+backward", ours_fwd_bwd)]
+    runs = [("ours, forward", ours_fwd), ("ours, forward+backward", ours_fwd_bwd)]
     if not a.no_fla:
         try:
             from fla.ops.kda import chunk_kda

@@ -4,8 +4,8 @@ conversions. Launch arguments are specialized as Triton's launcher does (16-byte
 divisible by 16 marked so, ints equal to 1 made constants): without that every gather compiles to 2-byte loads
 and the spills come out several times too large.
 
-    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv kda-fwd kda-fwd2 kda-fwd3
-    python tests/bench/sm90_compile.py kda-bwd kda-bwd2
+    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv kda-fwd
+    python tests/bench/sm90_compile.py kda-bwd
 
 Needs a Triton with its NVIDIA backend (a Linux wheel; the device's version is 3.6: `pip install triton==3.6.0`
 into a separate environment). Registers and spills decide occupancy and show where a launch configuration will
@@ -151,41 +151,71 @@ def _kda_prec(name):
     return prec, dict(DT=getattr(triton.language, "bfloat16" if name == "bf16" else "float32"), EMULATE=False)
 
 
-def _kda_intra(name, label, inverse):
-    """`_intra_kernel` for `name` inputs ("bf16", "fp32"), (I+L)^-1 stored or not."""
-    x = "*bf16" if name == "bf16" else F32
+def _kda_intra(name, sc, inverse):
+    """`_intra3_kernel` for `name` inputs ("bf16", "fp32") with scratch `sc`, (I+L)^-1 stored or not."""
+    x = BF if name == "bf16" else F32
     prec, common = _kda_prec(name)
-    c = kt.intra_config(KDA_C, KDA_D, KDA_D)
-    ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=F32, u_ptr=F32,
-                qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, M_ptr=F32)
-    consts = dict(C=KDA_C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, INVERSE=inverse,
-                  PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
-    return f"{label} {name} {c}", report(kt._intra_kernel, ptrs, dict(T=T, H=H, K=KDA_D, V=KDA_D, N=KDA_N,
-                                                                       scale=0.1),
-                                         consts, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    c = kt.intra3_config(KDA_C, KDA_D, KDA_D, ieee=name == "fp32")
+    ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc, u_ptr=F32,
+                qd_ptr=sc, kd_ptr=sc, A_ptr=F32, d_ptr=F32, M_ptr=F32)
+    consts = dict(C=KDA_C, BC=kt.SUB_CHUNK, HAS_RESET=True, LOG_BC=4, LEVELS=6, INVERSE=inverse, BK=c["BK"],
+                  BKW=c["BKW"], BV=c["BV"], PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
+    label = f"kda intra {name}{', (I+L)^-1' if inverse else ''}, scratch {sc[1:]} {c}"
+    return label, report(kt._intra3_kernel, ptrs, dict(T=T, H=H, K=KDA_D, V=KDA_D, N=KDA_N, scale=0.1), consts,
+                         num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-def _kda_state(name, label, out, store):
-    """`_state_kernel` for `name` inputs, writing o (`out`) or storing S_n and U (`store`)."""
-    x = "*bf16" if name == "bf16" else F32
+def _kda_state(name, sc, block_v):
+    """`_state_kernel` for `name` inputs storing S_n and U_n, w / k~ / S_n in `sc`, `block_v` state columns."""
     prec, common = _kda_prec(name)
-    c = kt.state_config(KDA_D, KDA_D, ieee=name == "fp32")
-    ptrs = dict(w_ptr=F32, u_ptr=F32, qd_ptr=F32, kd_ptr=F32, A_ptr=F32, d_ptr=F32, s0_ptr=F32, o_ptr=x,
-                sN_ptr=F32, h_ptr=F32)
-    consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, OUT=out, STORE=store, STATE=prec["STATE"],
-                  **common)
-    return f"{label} {name} {c}", report(kt._state_kernel, ptrs, dict(T=T, H=H, K=KDA_D, V=KDA_D, N=KDA_N), consts,
-                                         num_warps=c["num_warps"], num_stages=c["num_stages"])
+    c = kt.state_config(KDA_D, KDA_D, ieee=name == "fp32", block_v=block_v)
+    ptrs = dict(w_ptr=sc, u_ptr=F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=sc)
+    consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, STORE=True, STATE=prec["STATE"], **common)
+    return f"kda state pass (S_n, U_n) {name}, w/k~/S_n {sc[1:]} {c}", report(
+        kt._state_kernel, ptrs, dict(K=KDA_D, V=KDA_D, N=KDA_N), consts, num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
+
+
+def kda_fwd():
+    """The chunked KDA forward at K = V = 128, C = 64 (T = 8192, H = 96), bf16 (bf16 scratch, `kt.V3`) and fp32:
+    `_intra3_kernel`, the split `_strips3_kernel` / `_solve3_kernel`, the state pass and `_output_kernel`."""
+    N, C, KD = KDA_N, KDA_C, KDA_D
+    scalars = dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1)
+    for name in ("bf16", "fp32"):
+        x = BF if name == "bf16" else F32
+        sc = BF if name == "bf16" else F32
+        prec, common = _kda_prec(name)
+        yield _kda_intra(name, sc, inverse=False)
+        c = kt.intra3_config(C, KD, KD, ieee=name == "fp32")
+        blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
+        sp = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, A_ptr=F32, M_ptr=F32)
+        yield f"kda strips {name} BK={c['BK']} warps=4", report(
+            kt._strips3_kernel, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
+            dict(BK=c["BK"], DIAG=True, PAIR=prec["PAIR"], **blocks), num_warps=4, num_stages=c["num_stages"])
+        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc, u_ptr=F32,
+                    qd_ptr=sc, kd_ptr=sc, d_ptr=F32, M_ptr=F32)
+        yield f"kda solve {name}, scratch {sc[1:]} BK={c['BKW']} BV={c['BV']} warps={c['num_warps']}", report(
+            kt._solve3_kernel, ptrs, scalars, dict(BK=c["BKW"], BV=c["BV"], LOG_BC=4, LEVELS=6, INVERSE=False,
+                                                   **blocks), num_warps=c["num_warps"], num_stages=c["num_stages"])
+        yield _kda_state(name, sc, kt.V3["state_block"] if name == "bf16" else None)
+        c = kt.output_config(KD, KD, ieee=name == "fp32")
+        yield f"kda output {name}, q~/S_n {sc[1:]} {c}", report(
+            kt._output_kernel, dict(qd_ptr=sc, A_ptr=F32, U_ptr=F32, h_ptr=sc, o_ptr=x),
+            dict(T=T, H=H, K=KD, V=KD, N=N), dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"],
+                                                  QS="16" if name == "bf16" else "", **common),
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def kda_bwd():
-    """The chunked KDA backward's four launches at K3's K = V = 128, C = 64 (T = 8192, H = 96), bf16 and fp32."""
+    """The chunked KDA backward at K = V = 128, C = 64, bf16 and fp32: the recompute (`_intra3_kernel` with
+    (I+L)^-1, fp32 scratch), the state pass storing S_n and U_n, the reverse pass (`_state_bwd_kernel`), and
+    kda_bwd_triton's `_bwd_dav_kernel` and `_bwd_dqkg_kernel`."""
     N, C, KD = KDA_N, KDA_C, KDA_D
     for name in ("bf16", "fp32"):
-        x = "*bf16" if name == "bf16" else F32
+        x = BF if name == "bf16" else F32
         prec, common = _kda_prec(name)
-        yield _kda_intra(name, "kda intra (recompute, with (I+L)^-1)", inverse=True)
-        yield _kda_state(name, "kda state pass, storing S_n and U", out=False, store=True)
+        yield _kda_intra(name, F32, inverse=True)
+        yield _kda_state(name, F32, kt.V3["state_block"] if name == "bf16" else None)
         c = kt.state_config(KD, KD, ieee=name == "fp32")
         ptrs = dict(qd_ptr=F32, kd_ptr=F32, w_ptr=F32, A_ptr=F32, d_ptr=F32, do_ptr=x, dsN_ptr=F32, dh_ptr=F32,
                     dU_ptr=F32, dh0_ptr=F32)
@@ -193,120 +223,25 @@ def kda_bwd():
         yield f"kda reverse state pass {name} {c}", report(
             kt._state_bwd_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
             num_stages=c["num_stages"])
-        c = kt.intra_bwd_config(C, KD, KD)
-        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32,
-                    h_ptr=F32, dh_ptr=F32, dU_ptr=F32, do_ptr=x, dq_ptr=x, dk_ptr=x, dv_ptr=x, dg_ptr=F32,
-                    db_ptr=F32)
-        consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, **prec, **common)
-        yield f"kda intra backward {name} {c}", report(
-            kt._intra_bwd_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
-
-
-def kda_fwd():
-    """The chunked KDA forward "v1" (`_intra_kernel`, `_state_kernel` writing o) at K = V = 128, C = 64."""
-    for name in ("bf16", "fp32"):
-        yield _kda_intra(name, "kda v1 intra", inverse=False)
-        yield _kda_state(name, "kda v1 state pass, writing o", out=True, store=False)
-
-
-def kda_fwd2():
-    """The chunked KDA forward "v2" at K = V = 128, C = 64: `_intra2_kernel` (with and without (I+L)^-1, fp32 and
-    bf16 scratch), the sequential pass storing S_n and U_n at 32 and 64 state columns (fp32 and bf16 w, k~, S_n)
-    and `_output_kernel`."""
-    N, C, KD = T // 64, 64, 128
-    for name in ("bf16", "fp32"):
-        x = "*bf16" if name == "bf16" else F32
-        prec, common = _kda_prec(name)
-        c = kt.intra2_config(C, KD, KD, ieee=name == "fp32")
-        for inverse, sc in ((False, F32), (True, F32)) + (((False, BF),) if name == "bf16" else ()):
-            ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc, u_ptr=F32,
-                        qd_ptr=sc, kd_ptr=sc, A_ptr=F32, d_ptr=F32, M_ptr=F32)
-            consts = dict(C=C, BC=kt.SUB_CHUNK, LEVELS=6, BK=c["BK"], BV=c["BV"], HAS_RESET=True, INVERSE=inverse,
-                          PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
-            yield f"kda v2 intra {name}{', (I+L)^-1' if inverse else ''}, scratch {sc[1:]} {c}", report(
-                kt._intra2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
-                num_warps=c["num_warps"], num_stages=c["num_stages"])
-        blocks = (32, 64) if name == "bf16" else (None,)
-        for bv in blocks:
-            for sc in ((F32, BF) if name == "bf16" else (F32,)):
-                c = kt.state_config(KD, KD, ieee=name == "fp32", block_v=bv)
-                ptrs = dict(w_ptr=sc, u_ptr=F32, qd_ptr=sc, kd_ptr=sc, A_ptr=F32, d_ptr=F32, s0_ptr=F32, o_ptr=x,
-                            sN_ptr=F32, h_ptr=sc)
-                consts = dict(C=C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, OUT=False, STORE=True,
-                              STATE=prec["STATE"], **common)
-                yield f"kda v2 state pass (S_n, U_n) {name}, w/k~/S_n {sc[1:]} {c}", report(
-                    kt._state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
-                    num_stages=c["num_stages"])
-        c = kt.output_config(KD, KD, ieee=name == "fp32")
-        for sc in ((F32, BF) if name == "bf16" else (F32,)):
-            ptrs = dict(qd_ptr=sc, A_ptr=F32, U_ptr=F32, h_ptr=sc, o_ptr=x)
-            consts = dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"], **common)
-            yield f"kda v2 output {name}, q~/S_n {sc[1:]} {c}", report(
-                kt._output_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=c["num_warps"],
-                num_stages=c["num_stages"])
-
-
-def kda_fwd3():
-    """The chunked KDA forward "v3" at K = V = 128, C = 64 (bf16 scratch, and fp32): `_intra3_kernel` at kt.V3's
-    key pieces and warps, the split `_strips3_kernel` / `_solve3_kernel`, and `_output_kernel` with q~ S_n on
-    16-bit operands (the state pass is kda-fwd2's)."""
-    N, C, KD = T // 64, 64, 128
-    scalars = dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1)
-    for name in ("bf16", "fp32"):
-        x = "*bf16" if name == "bf16" else F32
-        sc = BF if name == "bf16" else F32
-        prec, common = _kda_prec(name)
-        c = kt.intra3_config(C, KD, KD, ieee=name == "fp32")
-        blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
-        levels = dict(LOG_BC=4, LEVELS=6, INVERSE=False)
-        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc, u_ptr=F32,
-                    qd_ptr=sc, kd_ptr=sc, A_ptr=F32, d_ptr=F32, M_ptr=F32)
-        yield f"kda v3 intra {name}, scratch {sc[1:]} {c}", report(
-            kt._intra3_kernel, ptrs, scalars, dict(BK=c["BK"], BKW=c["BKW"], BV=c["BV"], PAIR=prec["PAIR"], **levels,
-                                                   **blocks), num_warps=c["num_warps"], num_stages=c["num_stages"])
-        sp = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, A_ptr=F32, M_ptr=F32)
-        yield f"kda v3 strips {name} BK={c['BK']} warps=4", report(
-            kt._strips3_kernel, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-            dict(BK=c["BK"], DIAG=True, PAIR=prec["PAIR"], **blocks), num_warps=4, num_stages=c["num_stages"])
-        del ptrs["A_ptr"]
-        yield f"kda v3 solve {name}, scratch {sc[1:]} BK={c['BKW']} BV={c['BV']} warps={c['num_warps']}", report(
-            kt._solve3_kernel, ptrs, scalars, dict(BK=c["BKW"], BV=c["BV"], **levels, **blocks),
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
-    prec, common = _kda_prec("bf16")
-    c = kt.output_config(KD, KD, ieee=False)
-    yield f"kda v3 output bf16, q~/S_n bf16 on 16-bit dots {c}", report(
-        kt._output_kernel, dict(qd_ptr=BF, A_ptr=F32, U_ptr=F32, h_ptr=BF, o_ptr=BF),
-        dict(T=T, H=H, K=KD, V=KD, N=N), dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"], QS="16", **common),
-        num_warps=c["num_warps"], num_stages=c["num_stages"])
-
-
-def kda_bwd2():
-    """The chunk-parallel KDA backward's own kernels (kda_bwd_triton: `_bwd_dav_kernel`, `_bwd_dqkg_kernel`) at
-    K = V = 128, C = 64, bf16 and fp32; its recompute and state passes are kda-bwd's and kda-fwd2's."""
-    N, C, KD = KDA_N, KDA_C, KDA_D
-    for name in ("bf16", "fp32"):
-        x = BF if name == "bf16" else F32
-        prec, common = _kda_prec(name)
         pair = BF if prec["PAIR"] == "16" else F32
         c = kb.dav_config(C, KD, ieee=name == "fp32")
         ptrs = dict(v_ptr=x, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair,
                     dL_ptr=pair, dAd_ptr=F32, dbv_ptr=F32, dv_ptr=x)
         consts = dict(C=C, BV=c["BV"], HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], **common)
-        yield f"kda bwd2 dAqk/dL/dv {name} {c}", report(kb._bwd_dav_kernel, ptrs, dict(T=T, H=H, V=KD, N=N, scale=0.1),
-                                                        consts, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        yield f"kda bwd dAqk/dL/dv {name} {c}", report(kb._bwd_dav_kernel, ptrs, dict(T=T, H=H, V=KD, N=N, scale=0.1),
+                                                       consts, num_warps=c["num_warps"], num_stages=c["num_stages"])
         c = kb.dqkg_config(C, KD, KD, ieee=name == "fp32")
         ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, h_ptr=F32,
                     dh_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair, dL_ptr=pair, dAd_ptr=F32, dq_ptr=x, dk_ptr=x,
                     dg_ptr=F32, dbk_ptr=F32)
         consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, **prec, **common)
-        yield f"kda bwd2 dq/dk/dg {name} {c}", report(kb._bwd_dqkg_kernel, ptrs,
-                                                      dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
-                                                      num_warps=c["num_warps"], num_stages=c["num_stages"])
+        yield f"kda bwd dq/dk/dg {name} {c}", report(kb._bwd_dqkg_kernel, ptrs,
+                                                     dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
+                                                     num_warps=c["num_warps"], num_stages=c["num_stages"])
+
 
 KERNELS = {"indexer": indexer, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv,
-           "kda-fwd": kda_fwd, "kda-fwd2": kda_fwd2, "kda-fwd3": kda_fwd3,
-           "kda-bwd": kda_bwd, "kda-bwd2": kda_bwd2}
+           "kda-fwd": kda_fwd, "kda-bwd": kda_bwd}
 
 
 def main():
