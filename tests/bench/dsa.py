@@ -24,6 +24,9 @@ At the first T (8K by default) the gather and sdpa layers' outputs and input gra
 selection: the indexer op is shared). "peak" is the most memory allocated during the call, on top of the weights
 and the input. fwd+bwd differentiates every weight but the frozen indexer's, and the input.
 
+`--profile`: after each T's rows, the CUDA kernels of each selected path's forward+backward, per step, largest first
+(where the layer's time goes).
+
 Prefill (`--prefill`, default 131072 and 32768 tokens): `kimi.generation.generate` as generate.py runs it (its
 default backend, chunks of 8,192 tokens into the cache, eager) on the preset scaled to 4 layers and 8 experts, one
 prompt, 4 new tokens: prefill seconds, tokens/s, peak memory.
@@ -40,12 +43,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kimi  # noqa: E402
 from kimi.config import scaled  # noqa: E402
 from kimi.generation import DEFAULT_BACKEND, generate  # noqa: E402
 from kimi.mla import gated_mla  # noqa: E402
 from kimi.ranges import document_ranges  # noqa: E402
+from kernel_profile import profile_kernels  # noqa: E402
 
 
 def sync(device):
@@ -123,14 +128,23 @@ def layer_rows(a, cfg, device):
             paths.insert(1, ("cudnn", cudnn, one_doc, None))
         if T <= a.max_sdpa:
             paths.append(("sdpa (dense mask)", kimi.Backend(attn="sdpa", mla_form="expanded"), one_doc, None))
+        paths = [r for r in paths if not a.paths or r[0].split(",")[0].split(" ")[0] in a.paths]
         for name, backend, doc, span in paths:
-            if a.paths and name.split(",")[0].split(" ")[0] not in a.paths:
-                continue
             fwd = attempt(lambda: run(backend, doc, span, False), device, iters)
             bwd = attempt(lambda: run(backend, doc, span, True), device, iters)
             for leaf in (v for _, v in kimi.params.tree_items(p)):
                 leaf.grad = None
             print(f"| {T:,} | {name} | {_cell(fwd)} | {_cell(bwd)} |", flush=True)
+        for name, backend, doc, span in paths if a.profile and device.type == "cuda" else ():
+            def steps(backend=backend, doc=doc, span=span):
+                for _ in range(2):
+                    run(backend, doc, span, True)
+                sync(device)
+            profile_kernels(steps, 2, f"{name} layer forward+backward, T = {T:,}", top=25)
+            for leaf in (v for _, v in kimi.params.tree_items(p)):
+                leaf.grad = None
+            print("\n| T | path | fwd ms | fwd peak GiB | fwd+bwd ms | fwd+bwd peak GiB |\n|---|---|---|---|---|---|",
+                  flush=True)
         q = torch.randn(1, H, T, dn + dr, device=device, dtype=torch.bfloat16, requires_grad=True)
         kk = torch.randn(1, H, T, dn + dr, device=device, dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(1, H, T, dv, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -189,6 +203,7 @@ def main():
     ap.add_argument("--max-sdpa", type=int, default=32768, help="longest T for the dense-mask row (64K: OOM)")
     ap.add_argument("--paths", nargs="*", default=[], choices=["triton", "cudnn", "gather", "sdpa"],
                     help="layer rows to run (default: all); 'gather' includes its short-document row")
+    ap.add_argument("--profile", action="store_true", help="per-kernel profile of each path's forward+backward")
     ap.add_argument("--prefill", type=int, nargs="*", default=[131072, 32768])
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     a = ap.parse_args()
