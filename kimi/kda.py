@@ -116,7 +116,8 @@ def kda_layer(p: dict, x: Tensor, cfg, backend, *, reset: Tensor | None = None, 
     f = heads(linear(linear(x, p["f_a_proj"]), p["f_b_proj"]))
     g = kda_gate(f, p["A_log"], p["dt_bias"], la.gate_lower_bound)
     beta = torch.sigmoid(linear(x, p["b_proj"]).to(dt))               # fp32 before the sigmoid
-    if cache is not None and T == 1 and ops.kda_decode_fused(backend, device=x.device, dtype=x.dtype):
+    if cache is not None and T == 1 and ops.kda_decode_fused(backend, device=x.device, dtype=x.dtype,
+                                                             gate_lower_bound=la.gate_lower_bound):
         # decode on kda='triton': convs, norms and the step in one launch, the cache updated in place
         raw = [linear(x, p[f"{name}_proj"])[:, 0] for name in ("q", "k", "v")]
         weights = [p[f"{name}_conv1d"]["weight"] for name in ("q", "k", "v")]

@@ -56,13 +56,18 @@ def test_resolve_on_the_cpu(facts, want):
 
 
 def test_resolve_on_a_gpu(monkeypatch):
-    """On CUDA with Triton: the Triton state pass and, for a few tokens, the gemv experts (no GPU needed: resolve
-    only reads the facts)."""
+    """On CUDA with Triton: the Triton KDA kernels for 16-bit activations and a bounded gate (the Triton state pass
+    otherwise) and, for a few tokens, the gemv experts (no GPU needed: resolve only reads the facts)."""
     monkeypatch.setattr(ops, "triton_available", lambda device: True)
     got = ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, tokens=ops.GEMV_MAX_TOKENS, cached=True)
     assert got == Backend(attn="eager", mla_form="absorbed", kda="chunk_triton", moe="gemv")
     got = ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, tokens=ops.GEMV_MAX_TOKENS + 1)
     assert got == Backend(attn="sdpa", mla_form="expanded", kda="chunk_triton", moe="grouped")
+    bound = ops.delta_rule.GATE_BOUND
+    assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, gate_lower_bound=bound).kda == "triton"
+    assert ops.resolve(Backend(), device=CUDA, dtype=torch.float16, gate_lower_bound=bound + 1).kda == "triton"
+    assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, gate_lower_bound=bound - 1).kda == "chunk_triton"
+    assert ops.resolve(Backend(), device=CUDA, dtype=torch.float32, gate_lower_bound=bound).kda == "chunk_triton"
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.float64, tokens=1).kda == "chunk"
     n = ops.DENSE_MASK_MAX_KEYS + 1      # long rows: the Triton sparse kernels, in bf16 and fp16, without a cache
     long = dict(device=CUDA, queries=n, keys=n)

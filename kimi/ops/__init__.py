@@ -82,11 +82,13 @@ QUERY_BLOCK = 1024
 
 def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, tokens: int | None = None,
             cached: bool = False, queries: int | None = None, keys: int | None = None,
-            every_candidate: bool = False) -> Backend:
+            every_candidate: bool = False, gate_lower_bound: float | None = None) -> Backend:
     """`backend` with every "auto" replaced by the implementation that runs here:
 
-    - kda: 'chunk_triton' on a CUDA device with Triton (not for float64); 'chunk_opaque' while torch.compile
-      traces on a CPU (Inductor's CPU code generation for the traced chunk algebra takes minutes); else 'chunk'.
+    - kda: on a CUDA device with Triton 'triton' (the Triton chunked kernels) for bf16 / fp16 activations and a
+      bounded gate (`gate_lower_bound` ≥ `delta_rule.GATE_BOUND`), 'chunk_triton' for other gates and fp32 (not
+      for float64); 'chunk_opaque' while torch.compile traces on a CPU (Inductor's CPU code generation for the
+      traced chunk algebra takes minutes); else 'chunk'.
     - attn: without a cache for more than `DENSE_MASK_MAX_KEYS` keys 'triton' (a CUDA device with Triton, bf16 or
       fp16) or 'gather', and 'gather' when every candidate is attended (`every_candidate`: documents no longer than
       index_topk, or no indexer); with a cache 'gather' for more than 8,192 keys or
@@ -103,7 +105,10 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
     triton_here = device.type == "cuda" and triton_available(device)
     kda = backend.kda
     if kda == "auto":
-        if triton_here and dtype != torch.float64:
+        bounded = gate_lower_bound is not None and gate_lower_bound >= delta_rule.GATE_BOUND
+        if triton_here and dtype in (torch.bfloat16, torch.float16) and bounded:
+            kda = "triton"
+        elif triton_here and dtype != torch.float64:
             kda = "chunk_triton"
         else:
             kda = "chunk_opaque" if device.type == "cpu" and torch.compiler.is_compiling() else "chunk"
@@ -144,7 +149,7 @@ def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_s
     bool (state zeroed before token t); `gate_lower_bound`: the bound the gate guarantees (g ≥ it), which
     kda='triton' needs (≥ `delta_rule.GATE_BOUND`). Returns o [B, T, H, V] in v's dtype and the final state
     [B, H, K, V] (fp32, or fp64 for fp64 inputs)."""
-    kda = resolve(backend, device=q.device, dtype=q.dtype).kda
+    kda = resolve(backend, device=q.device, dtype=q.dtype, gate_lower_bound=gate_lower_bound).kda
     if kda == "triton" and (gate_lower_bound is None or gate_lower_bound < delta_rule.GATE_BOUND):
         raise ValueError(f"Backend(kda='triton') needs the bounded gate, log-decays >= {delta_rule.GATE_BOUND} "
                          f"(linear_attn_config.gate_lower_bound), got a lower bound of {gate_lower_bound}; use "
@@ -152,10 +157,11 @@ def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_s
     return IMPLEMENTATIONS["kda"][kda](q, k, v, g, beta, initial_state, reset, scale=scale)
 
 
-def kda_decode_fused(backend: Backend, *, device: torch.device, dtype: torch.dtype) -> bool:
+def kda_decode_fused(backend: Backend, *, device: torch.device, dtype: torch.dtype,
+                     gate_lower_bound: float | None = None) -> bool:
     """Whether a KDA layer's cached one-token step runs as `kimi::kda_decode_step` (convs, norms and the
     recurrence in one launch, the cache updated in place): where `backend` resolves to kda='triton'."""
-    return resolve(backend, device=device, dtype=dtype).kda == "triton"
+    return resolve(backend, device=device, dtype=dtype, gate_lower_bound=gate_lower_bound).kda == "triton"
 
 
 def kda_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *,
