@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from helpers import LargestTensor, rel_err, tiny, visible_of
-from kimi.ops import IMPLEMENTATIONS, lightning_index
+from kimi.ops import IMPLEMENTATIONS, lightning_index, sparse_attention
 from kimi.ops.lightning_index import topk_reference
 from kimi.ops.sparse_attention import select_visible
 from kimi.ranges import document_ranges
@@ -94,6 +94,31 @@ def test_absorbed_equals_expanded_with_gradients(dtype, tol):
         assert rel_err(out, out0) < tol
         for g, g0 in zip(grads, grads0):
             assert rel_err(g, g0) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_absorbed_query_is_the_concatenation(dtype):
+    """`absorb_query` (eager: one head-batched matmul written into the result, `_AbsorbQuery`) against the
+    definition [W_UKᵀ q_nope ; q_rope] as an einsum and a concatenation (what it runs under torch.compile): the
+    result contiguous, it and the gradients of q and kv_b equal (the same products), q given non-contiguous."""
+    B, T, H, dn, dr, R, dv = 2, 7, 3, 8, 4, 16, 6
+    q0 = torch.randn(B, H, T, dn + dr, dtype=dtype).transpose(1, 2)
+    kv_b0 = torch.randn(H * (dn + dv), R, dtype=dtype)
+    g = torch.randn(B, T, H, R + dr, dtype=dtype)
+    runs = []
+    for fn in (sparse_attention.absorb_query, _absorb_definition):
+        q, kv_b = q0.clone().requires_grad_(), kv_b0.clone().requires_grad_()
+        out = fn(q, kv_b, dr)
+        runs.append((out, *torch.autograd.grad((out * g).sum(), [q, kv_b])))
+    assert runs[0][0].is_contiguous()
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
+
+
+def _absorb_definition(q, kv_b, d_r):
+    H, dn = q.shape[2], q.shape[-1] - d_r
+    W_uk = kv_b.view(H, -1, kv_b.shape[1])[:, :dn]
+    return torch.cat([torch.einsum("bthd,hdr->bthr", q[..., :dn], W_uk), q[..., dn:]], dim=-1)
 
 
 @settings(max_examples=15)

@@ -119,8 +119,48 @@ def absorb_query(q: Tensor, kv_b: Tensor, d_r: int) -> Tensor:
     H = q.shape[2]
     dn = q.shape[-1] - d_r
     W_uk = rearrange(kv_b, "(h d) r -> h d r", h=H)[:, :dn]
-    q_nope, q_pe = q.split([dn, d_r], dim=-1)
-    return torch.cat([torch.einsum("bthd,hdr->bthr", q_nope, W_uk), q_pe], dim=-1)
+    if torch.compiler.is_compiling():   # Inductor plans the matmul's output into the concatenation itself
+        q_nope, q_pe = q.split([dn, d_r], dim=-1)
+        return torch.cat([torch.einsum("bthd,hdr->bthr", q_nope, W_uk), q_pe], dim=-1)
+    return _AbsorbQuery.apply(q, W_uk)
+
+
+def _heads(t: Tensor) -> Tensor:
+    """[B, T, H, n] as the head-major [H, B·T, n] view a batched matmul over heads takes (no copy when t is
+    contiguous)."""
+    B, T, H, n = t.shape
+    return t.reshape(B * T, H, n).transpose(0, 1)
+
+
+class _AbsorbQuery(torch.autograd.Function):
+    """`absorb_query` in eager mode: the head-batched matmul writes W_UKᵀ q_nope straight into the first R columns
+    of the [B, T, H, R + d_r] result and q_rope is copied beside it, where a concatenation would copy the matmul's
+    head-major output once more (and the backward of q's split would concatenate its gradient again); the
+    backward writes dq the same way. The same products as the einsum: one bmm per direction."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, W_uk: Tensor) -> Tensor:
+        dn, R = W_uk.shape[1:]
+        out = q.new_empty(*q.shape[:3], R + q.shape[-1] - dn)
+        torch.bmm(_heads(q)[..., :dn], W_uk, out=_heads(out)[..., :R])
+        out[..., R:] = q[..., dn:]
+        ctx.save_for_backward(q, W_uk)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        q, W_uk = ctx.saved_tensors
+        dn, R = W_uk.shape[1:]
+        g = g.contiguous()
+        g_lat = _heads(g)[..., :R]
+        dq = dW = None
+        if ctx.needs_input_grad[0]:
+            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+            torch.bmm(g_lat, W_uk.transpose(1, 2), out=_heads(dq)[..., :dn])
+            dq[..., dn:] = g[..., R:]
+        if ctx.needs_input_grad[1]:
+            dW = torch.bmm(_heads(q.contiguous())[..., :dn].transpose(1, 2), g_lat)
+        return dq, dW
 
 
 def unabsorb_output(o_lat: Tensor, kv_b: Tensor, d_n: int) -> Tensor:
