@@ -148,7 +148,15 @@ def test_release_widths(dtype):
 @pytest.mark.parametrize("bwd_cfg", [
     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_slot_major=True, dkv_block_k=64, dkv_block_h=32),
     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_gemm=True, gemm_block_k=128),
-], ids=["dkv-sm", "dkv-gemm"])
+    Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_gemm=True, gemm_dq=True, gemm_block_k=64,
+       gemm_block_n=64),
+    Bw(heads=(32, 32, 32), block_k=64, dkv_gemm=True, gemm_dq=True, pds_all_heads=True, gemm_block_k=64,
+       gemm_block_n=64),
+    Bw(heads=(32, 32, 32), block_k=64, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3, pds_all_heads=True,
+       pds_dlat=True, pds_one_loop=True, gemm_block_k=64, gemm_block_n=64),
+    Bw(heads=(32, 32, 32), block_k=64, dkv_gemm=True, gemm_dq=True, pds_all_heads=True, pds_dlat=True,
+       pds_skewed=True, pds_block_c=32, gemm_block_k=64, gemm_block_n=64),
+], ids=["dkv-sm", "dkv-gemm", "gemm-dq", "pds", "pds-dlat", "skewed"])
 def test_slot_major_at_release_widths(bwd_cfg):
     """The transposed kernels at 96 x 576 / 512 in bf16, in the tiles proposed for the H200 (64 slots a step), with
     the recomputing dkv kernel and with the GEMM over the stored ds, p."""
@@ -169,17 +177,53 @@ def test_slot_major_at_release_widths(bwd_cfg):
         gemm_block_k=16, gemm_block_n=16, gemm_rows=2), False),
     (Bw(heads=(64, 32), block_k=32, dkv_gemm=True, gemm_cols=True, gemm_cols_dq=True, gemm_block_k=64,
         gemm_rows=2), True),
+    (Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_gemm=True, gemm_dq=True, gemm_block_k=16,
+        gemm_block_n=16), False),
+    (Bw(heads=(64, 32), block_k=32, dkv_gemm=True, gemm_dq=True, gemm_block_k=32, gemm_block_n=64, gemm_rows=2),
+     True),
+    (Bw(heads=(32, 32, 32), block_k=16, dkv_gemm=True, gemm_dq=True, pds_all_heads=True, pds_block_c=16,
+        gemm_block_k=32, gemm_block_n=16, gemm_rows=2), False),
+    (Bw(heads=(32, 32, 32), block_k=64, dkv_gemm=True, gemm_dq=True, pds_all_heads=True, gemm_block_k=16,
+        gemm_block_n=32), True),
+    (Bw(heads=(32, 32, 32), block_k=16, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3, pds_all_heads=True,
+        pds_dlat=True, pds_block_c=16, gemm_block_k=32, gemm_block_n=16), False),
+    (Bw(heads=(32, 32, 32), block_k=32, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=2, pds_all_heads=True,
+        pds_dlat=True, pds_one_loop=True, gemm_block_k=16, gemm_block_n=32, gemm_rows=2), True),
+    (Bw(heads=(32, 32, 32), block_k=16, dkv_gemm=True, gemm_dq=True, pds_all_heads=True, pds_dlat=True,
+        pds_skewed=True, pds_block_c=32, gemm_block_k=32, gemm_block_n=16, gemm_rows=2), False),
+    (Bw(heads=(32, 32, 32), block_k=32, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3, pds_all_heads=True,
+        pds_dlat=True, pds_skewed=True, pds_block_c=16, gemm_block_k=16, gemm_block_n=16), True),
 ], ids=["32x3,blocks16", "64+32,chunks2,deterministic", "16x6,chunks1", "cols,blocks16", "cols-dq,chunks2",
-        "cols-dq,deterministic"])
+        "cols-dq,deterministic", "gemm-dq,blocks16", "gemm-dq,chunks2,deterministic", "pds,blocks16,chunks2",
+        "pds,deterministic", "pds-dlat,x3", "pds-dlat,one-loop,x2,chunks2,deterministic", "skewed,chunks2",
+        "skewed,x3,deterministic"])
 def test_dkv_gemm_matches(bwd_cfg, deterministic):
     """dlatent from the ds and p the dq kernels store (`dkv_gemm`): value and tail column blocks narrower and wider
     than the widths, stacked-head steps that split [ds | p] inside and across its halves, chunks of one and two
     queries (a buffer reused), atomic and deterministic; the kernel walking the columns of a slot block
     (`gemm_cols`), also adding dq's share by atomics (`gemm_cols_dq`: the dq kernels store ds and p only; the
-    deterministic path keeps the dq kernel's dq)."""
+    deterministic path keeps the dq kernel's dq); the kernel walking the slots of a column block that also forms
+    dq (`gemm_dq`: column blocks straddling the value / tail boundary and wider than the latent), with ds and p
+    from the kernel for all heads of a query (`pds_all_heads`: column steps narrower and wider than the tail),
+    that kernel also adding dlatent (`pds_dlat`; its columns in one loop: `pds_one_loop`; its passes merged across
+    steps: `pds_skewed`), and column blocks two and three to a program (`gemm_dq_blocks`, the last ones past the
+    latent's width)."""
     q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
     _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, bwd_cfg=bwd_cfg,
                              deterministic=deterministic)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemm_dq_without_lse_gradient(dtype):
+    """`gemm_dq` with ds, p from the per-query kernel (`pds_all_heads`, also adding dlatent: `pds_dlat`) and from
+    the dq kernels, no LSE gradient
+    (Δ = Σ do ⊙ o alone), 40 heads as a 32- and a 16-head group (the second masked), widths not powers of two."""
+    q, lat, do, _ = _inputs(1, 4, 40, 30, 44, 24, dtype)
+    idx = _selection(1, 4, 30, 23)
+    for pds, fused, one, skewed in ((False, False, False, False), (True, True, False, False), (True, True, True, True)):
+        _check_against_reference(q, lat, idx, do, None, scale=0.3, d_v=24, bwd_cfg=Bw(
+            heads=(32, 16), block_k=16, dkv_gemm=True, gemm_dq=True, pds_all_heads=pds, pds_dlat=fused,
+            pds_one_loop=one, pds_skewed=skewed, pds_block_c=16, gemm_block_k=16, gemm_block_n=32))
 
 
 @settings(max_examples=12)
@@ -189,7 +233,8 @@ def test_dkv_gemm_matches(bwd_cfg, deterministic):
        dkv=st.sampled_from([(16, 16, False), (32, 32, False), (64, 16, False), (16, 16, True)]),
        deterministic=st.booleans(), slot_major=st.booleans(), dkv_slot_major=st.booleans(),
        gemm=st.sampled_from([None, (16, 16, 16, None, ""), (32, 64, 32, 2, ""), (64, 16, 64, None, ""),
-                             (16, 16, 16, None, "cols"), (32, 64, 16, 2, "cols-dq"), (64, 16, 16, None, "cols-dq")]),
+                             (16, 16, 16, None, "cols"), (32, 64, 16, 2, "cols-dq"), (64, 16, 16, None, "cols-dq"),
+                             (16, 32, 16, 2, "dq")]),
        layout=st.sampled_from(["holes", "prefix"]), seed=st.integers(0, 2**31 - 1))
 def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, split_v, splits, dkv, deterministic,
                                     slot_major, dkv_slot_major, gemm, layout, seed):
@@ -211,7 +256,8 @@ def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, spli
                                                                         gemm_block_n=gemm[1], gemm_block_j=gemm[2],
                                                                         gemm_rows=gemm[3],
                                                                         gemm_cols=gemm[4].startswith("cols"),
-                                                                        gemm_cols_dq=gemm[4] == "cols-dq"))),
+                                                                        gemm_cols_dq=gemm[4] == "cols-dq",
+                                                                        gemm_dq=gemm[4] == "dq"))),
                              deterministic=deterministic)
 
 
@@ -389,7 +435,22 @@ def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
     (F(heads=(32, 32, 32), block_k=64, num_warps=4),
      Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_cols=True,
         gemm_cols_dq=True, gemm_block_k=128, gemm_block_n=64, gemm_rows=100)),
-], ids=["sm8w,dkv64x16", "sm4w,dq-sm64,dkv64x32", "fwd64+32,dkv32x32-8w", "dkv-gemm128", "cols-dq"])
+    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_dq=True, gemm_block_k=64,
+        gemm_block_n=64, gemm_rows=100)),
+    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+     Bw(heads=(32, 32, 32), block_k=64, num_warps=8, num_stages=3, dkv_gemm=True, gemm_dq=True, pds_all_heads=True,
+        gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4, dkv_num_stages=2, gemm_rows=100)),
+    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+     Bw(heads=(32, 32, 32), block_k=128, num_warps=8, num_stages=2, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3,
+        pds_all_heads=True, pds_dlat=True, pds_one_loop=True, gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4,
+        dkv_num_stages=2, gemm_rows=100)),
+    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+     Bw(heads=(32, 32, 32), block_k=128, num_warps=8, num_stages=4, dkv_gemm=True, gemm_dq=True, pds_all_heads=True,
+        pds_dlat=True, pds_skewed=True, pds_block_c=32, gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4,
+        dkv_num_stages=2, gemm_rows=100)),
+], ids=["sm8w,dkv64x16", "sm4w,dq-sm64,dkv64x32", "fwd64+32,dkv32x32-8w", "dkv-gemm128", "cols-dq", "gemm-dq",
+        "pds", "pds-dlat", "skewed"])
 def test_cuda_slot_major_launches_compile_and_match(fwd_cfg, bwd_cfg):
     """The transposed kernels in the tiles proposed for timing (offline sm_90 compiles: no or few spills, wgmma
     at 64 slots) and the dlatent GEMM over stored ds, p (chunks of 100 queries; walking the columns with dq's

@@ -49,7 +49,14 @@ read back to the host, so the launch can be captured in a CUDA graph.
   the minimal 2·(3·D + 2·d_v) per (head, slot); the price is the buffer's write and read (the default in
   16-bit). Variants: `gemm_cols`, one program per (query, slot block) holding its ds, p and walking the columns
   (each buffer element read once); `gemm_cols_dq`, that walk also adding dq's share dsᵀ·kv by fp32 atomics, so
-  the dq kernel only computes and stores ds, p.
+  the dq kernel only computes and stores ds, p. `gemm_dq`: one program per (query, block of columns) walking the
+  query's slots instead, adding dkv as above and forming dq = dsᵀ·kv over its columns in registers (written
+  once, no atomics; each selected row gathered once more, for all heads); the dq kernels then only compute and
+  store ds and p, without the dq accumulator that made them spill. `pds_all_heads`: ds and p from
+  `_bwd_pds_kernel` instead, one program per query for all heads (each selected row gathered once, not once
+  per head tile), each step of slots a GEMM main loop over the latent's columns with the gathered rows, q and do
+  streamed through shared memory; `pds_dlat`: that kernel also adds dlatent in a second pass over the columns
+  (ds and p the register operand) and the GEMM forms dq only; `pds_skewed` merges the two passes across steps.
 - `deterministic=True`: the dkv kernel writes each (query, slot)'s row to an fp32 buffer instead (queries in
   chunks of at most 2^28 elements, as the reference's blocks), the chunk's slots are sorted by key (stable), and
   `_dkv_reduce_kernel` (one program per latent row) sums its run in that fixed order and adds it to the row;
@@ -580,6 +587,330 @@ if triton is not None:
                               mask=hm[:, None] & cm[None, :], sem="relaxed")
 
     @triton.jit
+    def _delta_heads(o_ptr, do_ptr, dlse_ptr, lse_ptr, qh, hm, DV, BC: tl.constexpr, HAS_DLSE: tl.constexpr):
+        """Δ = Σ_v do ⊙ o − dlse of the heads qh (rows of [R·H, DV]) over BC-wide column blocks, and the LSE in
+        base 2 (0 for a row without keys)."""
+        delta = tl.zeros(qh.shape, tl.float32)
+        for c0 in range(0, DV, BC):
+            c = c0 + tl.arange(0, BC)
+            m = hm[:, None] & (c < DV)[None, :]
+            do = tl.load(do_ptr + (qh * DV)[:, None] + c[None, :], mask=m, other=0.0)
+            o = tl.load(o_ptr + (qh * DV)[:, None] + c[None, :], mask=m, other=0.0)
+            delta += tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        if HAS_DLSE:
+            delta -= tl.load(dlse_ptr + qh, mask=hm, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + qh, mask=hm, other=0.0)
+        return delta, tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+
+    @triton.jit
+    def _bwd_pds_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, pds_ptr, out_ptr, row0, T, S, H, K,
+                        D, DV, scale, scale2, BK: tl.constexpr, BC: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
+                        IB: tl.constexpr, HAS_DLSE: tl.constexpr, DLAT: tl.constexpr, BN: tl.constexpr,
+                        ONE_LOOP: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr):
+        # `pds_all_heads`: ds and p of every head of one query, BK slots a step, for `_bwd_dkv_dq_gemm_kernel`. Per
+        # step a GEMM main loop over the latent's columns BC at a time, the slots on M:
+        #   s^T[slot, h] += kv[slot, c]·q^T[c, h],   dp^T[slot, h] += kv[slot, c]·do^T[c, h]  (c < DV)
+        # with the gathered rows, q^T and do^T all streamed through shared memory (nothing resident but the
+        # [BK, heads] accumulators), the heads as a group of HA and one of HB (see `_bwd_dkv_dq_gemm_kernel`):
+        # each selected row is gathered once for all heads. Then p, ds as the dq kernels form them, stored. DLAT
+        # (`pds_dlat`): also these slots' dlatent, [ds | p]·[q; do] with [ds | p] the register A operand and q, do
+        # streamed BN columns at a time, into out_ptr as `_bwd_dkv_dq_gemm_kernel` does (then p is not stored and
+        # that kernel only forms dq).
+        local = tl.program_id(0).to(tl.int64)
+        row = row0 + local
+        idx_row = idx_ptr + row * K
+        ha = tl.arange(0, HA)
+        ma = ha < H
+        qa = row * H + ha
+        delta_a, lse2_a = _delta_heads(o_ptr, do_ptr, dlse_ptr, lse_ptr, qa, ma, DV, BC, HAS_DLSE)
+        if HB > 0:
+            hb = HA + tl.arange(0, HB)
+            mb = hb < H
+            qb = row * H + hb
+            delta_b, lse2_b = _delta_heads(o_ptr, do_ptr, dlse_ptr, lse_ptr, qb, mb, DV, BC, HAS_DLSE)
+        k_end = _key_end(idx_row, 0, K, S, IB)
+        for k0 in range(0, k_end, BK):
+            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
+            s_a = tl.zeros([BK, HA], tl.float32)
+            dp_a = tl.zeros([BK, HA], tl.float32)
+            if HB > 0:
+                s_b = tl.zeros([BK, HB], tl.float32)
+                dp_b = tl.zeros([BK, HB], tl.float32)
+            lim = DV
+            if ONE_LOOP:        # one loop over all columns, dp's tail terms zero (do = 0 there)
+                lim = D
+            for c0 in range(0, lim, BC):        # value columns: scores and dp
+                c = c0 + tl.arange(0, BC)
+                cm = c < lim
+                vm = c < DV
+                kv = tl.load(lat_ptr + kv_off[:, None] + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
+                qT = tl.load(q_ptr + (qa * D)[None, :] + c[:, None], mask=ma[None, :] & cm[:, None], other=0.0)
+                doT = tl.load(do_ptr + (qa * DV)[None, :] + c[:, None], mask=ma[None, :] & vm[:, None], other=0.0)
+                s_a = _mm(kv, qT, s_a, F32)
+                dp_a = _mm(kv, doT, dp_a, F32)
+                if HB > 0:
+                    qT = tl.load(q_ptr + (qb * D)[None, :] + c[:, None], mask=mb[None, :] & cm[:, None], other=0.0)
+                    doT = tl.load(do_ptr + (qb * DV)[None, :] + c[:, None], mask=mb[None, :] & vm[:, None],
+                                  other=0.0)
+                    s_b = _mm(kv, qT, s_b, F32)
+                    dp_b = _mm(kv, doT, dp_b, F32)
+            if not ONE_LOOP:
+                for c0 in range(DV, D, BC):     # the tail: scores only
+                    c = c0 + tl.arange(0, BC)
+                    cm = c < D
+                    kv = tl.load(lat_ptr + kv_off[:, None] + c[None, :], mask=valid[:, None] & cm[None, :],
+                                 other=0.0)
+                    qT = tl.load(q_ptr + (qa * D)[None, :] + c[:, None], mask=ma[None, :] & cm[:, None], other=0.0)
+                    s_a = _mm(kv, qT, s_a, F32)
+                    if HB > 0:
+                        qT = tl.load(q_ptr + (qb * D)[None, :] + c[:, None], mask=mb[None, :] & cm[:, None],
+                                     other=0.0)
+                        s_b = _mm(kv, qT, s_b, F32)
+            slot = k0 + tl.arange(0, BK)
+            dst = pds_ptr + ((local * K + slot) * (2 * H if not DLAT else H))[:, None]
+            sm_ = (slot < K)[:, None]
+            dt = pds_ptr.dtype.element_ty
+            p_a = tl.where(valid[:, None] & ma[None, :], tl.exp2(s_a * scale2 - lse2_a[None, :]), 0.0)
+            ds_a = (p_a * (dp_a - delta_a[None, :]) * scale).to(dt)
+            p_a = p_a.to(dt)
+            tl.store(dst + ha[None, :], ds_a, mask=sm_ & ma[None, :])
+            if not DLAT:
+                tl.store(dst + H + ha[None, :], p_a, mask=sm_ & ma[None, :])
+            if HB > 0:
+                p_b = tl.where(valid[:, None] & mb[None, :], tl.exp2(s_b * scale2 - lse2_b[None, :]), 0.0)
+                ds_b = (p_b * (dp_b - delta_b[None, :]) * scale).to(dt)
+                p_b = p_b.to(dt)
+                tl.store(dst + hb[None, :], ds_b, mask=sm_ & mb[None, :])
+                if not DLAT:
+                    tl.store(dst + H + hb[None, :], p_b, mask=sm_ & mb[None, :])
+            if DLAT:    # dkv of these slots, a second pass over the columns: [ds | p]·[q; do], q and do streamed
+                ok = valid & (slot >= 0)
+                for c0 in range(0, lim, BN):
+                    c = c0 + tl.arange(0, BN)
+                    cm = c < lim
+                    vm = c < DV
+                    q_c = tl.load(q_ptr + (qa * D)[:, None] + c[None, :], mask=ma[:, None] & cm[None, :], other=0.0)
+                    do_c = tl.load(do_ptr + (qa * DV)[:, None] + c[None, :], mask=ma[:, None] & vm[None, :],
+                                   other=0.0)
+                    acc = _mm(p_a, do_c, _mm(ds_a, q_c, tl.zeros([BK, BN], tl.float32), F32), F32)
+                    if HB > 0:
+                        q_c = tl.load(q_ptr + (qb * D)[:, None] + c[None, :], mask=mb[:, None] & cm[None, :],
+                                      other=0.0)
+                        do_c = tl.load(do_ptr + (qb * DV)[:, None] + c[None, :], mask=mb[:, None] & vm[None, :],
+                                       other=0.0)
+                        acc = _mm(p_b, do_c, _mm(ds_b, q_c, acc, F32), F32)
+                    _dkv_out(out_ptr, kv_off, local, K, D, slot, ok, c, cm, acc, ATOMIC)
+                if not ONE_LOOP:
+                    for c0 in range(DV, D, BN):     # the tail: ds·q only
+                        c = c0 + tl.arange(0, BN)
+                        cm = c < D
+                        q_c = tl.load(q_ptr + (qa * D)[:, None] + c[None, :], mask=ma[:, None] & cm[None, :],
+                                      other=0.0)
+                        acc = _mm(ds_a, q_c, tl.zeros([BK, BN], tl.float32), F32)
+                        if HB > 0:
+                            q_c = tl.load(q_ptr + (qb * D)[:, None] + c[None, :], mask=mb[:, None] & cm[None, :],
+                                          other=0.0)
+                            acc = _mm(ds_b, q_c, acc, F32)
+                        _dkv_out(out_ptr, kv_off, local, K, D, slot, ok, c, cm, acc, ATOMIC)
+
+    @triton.jit
+    def _bwd_pds_skewed_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, pds_ptr, out_ptr, row0, T, S,
+                               H, K, D, DV, scale, scale2, BK: tl.constexpr, BC: tl.constexpr, HA: tl.constexpr,
+                               HB: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr, ATOMIC: tl.constexpr,
+                               F32: tl.constexpr):
+        # `pds_skewed`: `_bwd_pds_kernel` with DLAT and ONE_LOOP, its two passes over the columns merged across
+        # steps: step i's loop over the columns forms step i's scores and dp and, from the same q and do tiles,
+        # step i − 1's dlatent ([ds | p] of step i − 1 held over the loop), so that q and do are streamed once a
+        # step, not twice. One more pass after the last step adds its dlatent. Stores ds only.
+        local = tl.program_id(0).to(tl.int64)
+        row = row0 + local
+        idx_row = idx_ptr + row * K
+        ha = tl.arange(0, HA)
+        ma = ha < H
+        qa = row * H + ha
+        hb = HA + tl.arange(0, HB if HB > 0 else HA)
+        mb = hb < H
+        qb = row * H + hb
+        delta_a, lse2_a = _delta_heads(o_ptr, do_ptr, dlse_ptr, lse_ptr, qa, ma, DV, BC, HAS_DLSE)
+        delta_b, lse2_b = delta_a, lse2_a
+        if HB > 0:
+            delta_b, lse2_b = _delta_heads(o_ptr, do_ptr, dlse_ptr, lse_ptr, qb, mb, DV, BC, HAS_DLSE)
+        dt = pds_ptr.dtype.element_ty
+        k_end = _key_end(idx_row, 0, K, S, IB)
+        # the previous step's slots and [ds | p] (none before the first step: nothing valid, nothing added)
+        ok_p = tl.zeros([BK], tl.int1)
+        off_p = tl.zeros([BK], tl.int64)
+        slot_p = tl.arange(0, BK)
+        ds_pa = tl.zeros([BK, HA], dt)
+        p_pa = tl.zeros([BK, HA], dt)
+        ds_pb = tl.zeros([BK, HB if HB > 0 else HA], dt)
+        p_pb = tl.zeros([BK, HB if HB > 0 else HA], dt)
+        for k0 in range(0, k_end + BK, BK):     # one step past the last: its dlatent only
+            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
+            s_a = tl.zeros([BK, HA], tl.float32)
+            dp_a = tl.zeros([BK, HA], tl.float32)
+            s_b = tl.zeros([BK, HB if HB > 0 else HA], tl.float32)
+            dp_b = tl.zeros([BK, HB if HB > 0 else HA], tl.float32)
+            for c0 in range(0, D, BC):
+                c = c0 + tl.arange(0, BC)
+                cm = c < D
+                vm = c < DV
+                kv = tl.load(lat_ptr + kv_off[:, None] + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
+                q_c = tl.load(q_ptr + (qa * D)[:, None] + c[None, :], mask=ma[:, None] & cm[None, :], other=0.0)
+                do_c = tl.load(do_ptr + (qa * DV)[:, None] + c[None, :], mask=ma[:, None] & vm[None, :], other=0.0)
+                s_a = _mm(kv, tl.trans(q_c), s_a, F32)
+                dp_a = _mm(kv, tl.trans(do_c), dp_a, F32)
+                acc = _mm(p_pa, do_c, _mm(ds_pa, q_c, tl.zeros([BK, BC], tl.float32), F32), F32)
+                if HB > 0:
+                    q_c = tl.load(q_ptr + (qb * D)[:, None] + c[None, :], mask=mb[:, None] & cm[None, :], other=0.0)
+                    do_c = tl.load(do_ptr + (qb * DV)[:, None] + c[None, :], mask=mb[:, None] & vm[None, :],
+                                   other=0.0)
+                    s_b = _mm(kv, tl.trans(q_c), s_b, F32)
+                    dp_b = _mm(kv, tl.trans(do_c), dp_b, F32)
+                    acc = _mm(p_pb, do_c, _mm(ds_pb, q_c, acc, F32), F32)
+                _dkv_out(out_ptr, off_p, local, K, D, slot_p, ok_p, c, cm, acc, ATOMIC)
+            slot = k0 + tl.arange(0, BK)
+            dst = pds_ptr + ((local * K + slot) * H)[:, None]
+            sm_ = (slot < K)[:, None]
+            p = tl.where(valid[:, None] & ma[None, :], tl.exp2(s_a * scale2 - lse2_a[None, :]), 0.0)
+            ds_pa = (p * (dp_a - delta_a[None, :]) * scale).to(dt)
+            p_pa = p.to(dt)
+            tl.store(dst + ha[None, :], ds_pa, mask=sm_ & ma[None, :])
+            if HB > 0:
+                p = tl.where(valid[:, None] & mb[None, :], tl.exp2(s_b * scale2 - lse2_b[None, :]), 0.0)
+                ds_pb = (p * (dp_b - delta_b[None, :]) * scale).to(dt)
+                p_pb = p.to(dt)
+                tl.store(dst + hb[None, :], ds_pb, mask=sm_ & mb[None, :])
+            ok_p = valid & (slot >= 0)
+            off_p = kv_off
+            slot_p = slot
+
+    @triton.jit
+    def _dkv_out(out_ptr, kv_off, local, K, D, slot, ok, c, cm, acc, ATOMIC: tl.constexpr):
+        """dkv [slots, columns c] of one row's slots: added into dlatent (fp32, rows at kv_off) or, not ATOMIC,
+        stored as the (row, slot)'s rows of the deterministic buffer."""
+        om = ok[:, None] & cm[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptr + kv_off[:, None] + c[None, :], acc, mask=om, sem="relaxed")
+        else:
+            tl.store(out_ptr + ((local * K + slot) * D)[:, None] + c[None, :], acc, mask=om)
+
+    @triton.jit
+    def _gemm_dq_operands(q_ptr, do_ptr, row, H, D, DV, c, ha, hb, HB: tl.constexpr):
+        """q and do of one row at the columns c ([heads, BN] for each head group; do = 0 past DV): the B operands
+        `_bwd_dkv_dq_gemm_kernel` holds over its walk (group b: group a's when HB = 0, unused)."""
+        cm = c < D
+        vm = c < DV
+        ma = ha < H
+        q_a = tl.load(q_ptr + ((row * H + ha) * D)[:, None] + c[None, :], mask=ma[:, None] & cm[None, :], other=0.0)
+        do_a = tl.load(do_ptr + ((row * H + ha) * DV)[:, None] + c[None, :], mask=ma[:, None] & vm[None, :],
+                       other=0.0)
+        q_b, do_b = q_a, do_a
+        if HB > 0:
+            mb = hb < H
+            q_b = tl.load(q_ptr + ((row * H + hb) * D)[:, None] + c[None, :], mask=mb[:, None] & cm[None, :],
+                          other=0.0)
+            do_b = tl.load(do_ptr + ((row * H + hb) * DV)[:, None] + c[None, :], mask=mb[:, None] & vm[None, :],
+                           other=0.0)
+        return q_a, do_a, q_b, do_b
+
+    @triton.jit
+    def _gemm_dq_step(lat_ptr, out_ptr, kv_off, valid, slot, local, K, D, c, ds_a, p_a, ds_b, p_b, q_a, do_a, q_b,
+                      do_b, dqT_a, dqT_b, HB: tl.constexpr, DLAT: tl.constexpr, ATOMIC: tl.constexpr,
+                      F32: tl.constexpr):
+        """One step of `_bwd_dkv_dq_gemm_kernel` at the columns c: dkv of the step's slots added (or stored; not
+        without DLAT), the dq accumulators of both head groups updated and returned."""
+        kv = tl.load(lat_ptr + kv_off[:, None] + c[None, :], mask=valid[:, None] & (c < D)[None, :], other=0.0)
+        kvT = tl.trans(kv)
+        dqT_a = _mm(kvT, ds_a, dqT_a, F32)
+        if HB > 0:
+            dqT_b = _mm(kvT, ds_b, dqT_b, F32)
+        if DLAT:
+            acc = _mm(p_a, do_a, _mm(ds_a, q_a, tl.zeros([slot.shape[0], c.shape[0]], tl.float32), F32), F32)
+            if HB > 0:
+                acc = _mm(p_b, do_b, _mm(ds_b, q_b, acc, F32), F32)
+            ok = valid & (slot >= 0)        # formed here in their own terms (see `_fwd_kernel_sm`)
+            _dkv_out(out_ptr, kv_off, local, K, D, slot, ok, c, c < D, acc, ATOMIC)
+        return dqT_a, dqT_b
+
+    @triton.jit
+    def _gemm_dq_store(dq_ptr, row, H, D, c, ha, hb, dqT_a, dqT_b, HB: tl.constexpr):
+        cs = (c < D) & (c >= 0)
+        tl.store(dq_ptr + ((row * H + ha) * D)[None, :] + c[:, None], dqT_a.to(dq_ptr.dtype.element_ty),
+                 mask=(ha < H)[None, :] & cs[:, None])
+        if HB > 0:
+            tl.store(dq_ptr + ((row * H + hb) * D)[None, :] + c[:, None], dqT_b.to(dq_ptr.dtype.element_ty),
+                     mask=(hb < H)[None, :] & cs[:, None])
+
+    @triton.jit
+    def _bwd_dkv_dq_gemm_kernel(pds_ptr, q_ptr, do_ptr, lat_ptr, idx_ptr, out_ptr, dq_ptr, row0, NCB, T, S, H, K, D,
+                                DV, BK: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, HA: tl.constexpr,
+                                HB: tl.constexpr, IB: tl.constexpr, DLAT: tl.constexpr, ATOMIC: tl.constexpr,
+                                F32: tl.constexpr):
+        # `gemm_dq`: one program per (row, NSUB consecutive blocks of BN latent columns) walking the row's slots BK
+        # at a time, from the ds and p stored before (`PDS` of the dq kernels computing no dq, or `_bwd_pds_kernel`):
+        #   dkv[slot, c] = ds[slot, :]·q[:, c] + p[slot, :]·do[:, c]      added atomically (or stored per slot)
+        #   dq^T[c, h]  += kv[slot, c]^T·ds[slot, h]                       held, written once at the end
+        # q and do of its columns are loaded once and held (B operands of every step); a step's ds and p are
+        # loaded once for its NSUB column blocks. The heads run as a group of HA and one of HB (0: none), powers of
+        # two covering H (96 = 64 + 32: nothing padded). Columns at or past DV see do = 0 (the tail has no
+        # values). The row's programs run side by side (column blocks fastest) and share its ds, p through L2;
+        # each gathers its own columns of the selected rows. Without DLAT (`pds_dlat`: dlatent added before) dq only.
+        pid = tl.program_id(0).to(tl.int64)
+        cb = pid % NCB
+        local = pid // NCB
+        row = row0 + local
+        idx_row = idx_ptr + row * K
+        ha = tl.arange(0, HA)
+        hb = HA + tl.arange(0, HB if HB > 0 else HA)
+        ma = ha < H
+        mb = hb < H
+        c0 = cb * NSUB * BN + tl.arange(0, BN)
+        q0a, do0a, q0b, do0b = _gemm_dq_operands(q_ptr, do_ptr, row, H, D, DV, c0, ha, hb, HB)
+        dq0a = tl.zeros([BN, HA], tl.float32)
+        dq0b = tl.zeros([BN, HB if HB > 0 else HA], tl.float32)
+        if NSUB > 1:
+            c1 = c0 + BN
+            q1a, do1a, q1b, do1b = _gemm_dq_operands(q_ptr, do_ptr, row, H, D, DV, c1, ha, hb, HB)
+            dq1a = tl.zeros([BN, HA], tl.float32)
+            dq1b = tl.zeros([BN, HB if HB > 0 else HA], tl.float32)
+        if NSUB > 2:
+            c2 = c0 + 2 * BN
+            q2a, do2a, q2b, do2b = _gemm_dq_operands(q_ptr, do_ptr, row, H, D, DV, c2, ha, hb, HB)
+            dq2a = tl.zeros([BN, HA], tl.float32)
+            dq2b = tl.zeros([BN, HB if HB > 0 else HA], tl.float32)
+        k_end = _key_end(idx_row, 0, K, S, IB)
+        for k0 in range(0, k_end, BK):
+            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
+            slot = k0 + tl.arange(0, BK)
+            a_row = pds_ptr + (local * K + slot) * (2 * H if DLAT else H)
+            am = valid[:, None] & ma[None, :]
+            ds_a = tl.load(a_row[:, None] + ha[None, :], mask=am, other=0.0)
+            p_a = ds_a
+            if DLAT:
+                p_a = tl.load(a_row[:, None] + H + ha[None, :], mask=am, other=0.0)
+            ds_b, p_b = ds_a, p_a
+            if HB > 0:
+                bm = valid[:, None] & mb[None, :]
+                ds_b = tl.load(a_row[:, None] + hb[None, :], mask=bm, other=0.0)
+                p_b = ds_b
+                if DLAT:
+                    p_b = tl.load(a_row[:, None] + H + hb[None, :], mask=bm, other=0.0)
+            dq0a, dq0b = _gemm_dq_step(lat_ptr, out_ptr, kv_off, valid, slot, local, K, D, c0, ds_a, p_a, ds_b, p_b,
+                                       q0a, do0a, q0b, do0b, dq0a, dq0b, HB, DLAT, ATOMIC, F32)
+            if NSUB > 1:
+                dq1a, dq1b = _gemm_dq_step(lat_ptr, out_ptr, kv_off, valid, slot, local, K, D, c1, ds_a, p_a, ds_b,
+                                           p_b, q1a, do1a, q1b, do1b, dq1a, dq1b, HB, DLAT, ATOMIC, F32)
+            if NSUB > 2:
+                dq2a, dq2b = _gemm_dq_step(lat_ptr, out_ptr, kv_off, valid, slot, local, K, D, c2, ds_a, p_a, ds_b,
+                                           p_b, q2a, do2a, q2b, do2b, dq2a, dq2b, HB, DLAT, ATOMIC, F32)
+        _gemm_dq_store(dq_ptr, row, H, D, c0, ha, hb, dq0a, dq0b, HB)
+        if NSUB > 1:
+            _gemm_dq_store(dq_ptr, row, H, D, c1, ha, hb, dq1a, dq1b, HB)
+        if NSUB > 2:
+            _gemm_dq_store(dq_ptr, row, H, D, c2, ha, hb, dq2a, dq2b, HB)
+
+    @triton.jit
     def _dkv_reduce_kernel(part_ptr, order_ptr, starts_ptr, ends_ptr, dlat_ptr, D, BR: tl.constexpr,
                            BC: tl.constexpr):
         # program -> (latent row b·S + s, column block): its run of this chunk's sorted slots, summed in order
@@ -665,6 +996,35 @@ class BwdConfig:
     """With `gemm_cols` (and not deterministic): the dq kernels only store ds and p, and the walk over the
     columns also adds dq's share of its slots, dsᵀ·kv, by fp32 atomics into a [rows, H, D] buffer (gathering
     each selected latent row once for all heads)."""
+    gemm_dq: bool = False
+    """Run `_bwd_dkv_dq_gemm_kernel`: one program per (query, block of `gemm_block_n` latent columns) walking the
+    query's slots `gemm_block_k` at a time, adding dlatent = [ds | p]·[q; do] as `_bwd_dkv_gemm_kernel` does
+    (unless `pds_dlat` added it already) and forming dq = dsᵀ·kv over its columns in registers, written once
+    (no atomics): the dq kernels (or `_bwd_pds_kernel`) then compute and store ds and p only (no dq accumulator,
+    no dq dot), and each selected latent row is gathered once more for all heads, column block by column block
+    (`gemm_block_j`, `gemm_cols` unused)."""
+    gemm_dq_blocks: int = 1
+    """With `gemm_dq`: column blocks per program (1 to 3), each with its own held q, do and dq accumulator, sharing
+    the step's loads of ds and p (the buffer is read cdiv(D, gemm_block_n · gemm_dq_blocks) times, not once per
+    column block)."""
+    pds_all_heads: bool = False
+    """With `gemm_dq`: ds and p from `_bwd_pds_kernel` instead of the dq kernels: one program per query for all
+    heads (each selected row gathered once, not once per head tile), `block_k` slots a step, each step a main
+    loop over `pds_block_c` latent columns streaming the gathered rows, q and do through shared memory (`heads`,
+    `slot_major` unused)."""
+    pds_dlat: bool = False
+    """With `pds_all_heads`: that kernel also adds dlatent, [ds | p]·[q; do] over the columns in a second pass
+    (`gemm_block_n` at a time, q and do streamed, ds and p the register operand), stores ds only (a [rows, K, H]
+    buffer: twice the queries a chunk), and `_bwd_dkv_dq_gemm_kernel` only forms dq."""
+    pds_one_loop: bool = False
+    """`_bwd_pds_kernel` walks all columns in one loop (per pass) instead of the values and then the tail: fewer
+    pipelined loops a step, for dp's (and, with `pds_dlat`, p·do's) tail terms multiplied by zeros."""
+    pds_skewed: bool = False
+    """With `pds_dlat`: run `_bwd_pds_skewed_kernel`, the two passes merged across steps (a step's scores and the
+    previous step's dlatent from the same q and do tiles, `pds_block_c` columns at a time): q and do streamed once
+    a step instead of twice (`pds_one_loop`, `gemm_block_n` unused there)."""
+    pds_block_c: int = 64
+    """Latent columns per step of `_bwd_pds_kernel`'s inner loop."""
     gemm_rows: int | None = None
     """Queries per chunk of the dkv GEMM path (None: as many as `PDS_CHUNK_ELEMENTS` allow)."""
     dkv_num_warps: int | None = None
@@ -711,13 +1071,20 @@ def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.d
 def bwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
                dtype: torch.dtype = torch.bfloat16) -> BwdConfig:
     """The backward's launch for a shape (from the H200 sweeps of tests/bench/sparse_tune.py at T = 8K, H = 96,
-    top 2048; docs/performance.md). 16-bit: the dq kernel transposed (`slot_major`: 64 slots a step on wgmma,
-    32-head tiles, 4 warps) storing ds and p, and dlatent as the GEMM over them (`dkv_gemm`: 128 slots × 64
-    columns a program, 4 warps) instead of the kernel that recomputes the scores. fp32: the recomputing kernels,
-    16 everywhere, one stage."""
+    top 2048; docs/performance.md). 16-bit, up to 128 heads: ds and p of all heads of a query from
+    `_bwd_pds_kernel` (128 slots a step, 8 warps, 3 stages, the columns in one loop a pass), which also adds
+    dlatent (`pds_dlat`), and dq from `_bwd_dkv_dq_gemm_kernel` (64 slots × three 64-column blocks a program,
+    4 warps). More heads: the dq kernel transposed (`slot_major`: 64 slots a step on wgmma, 32-head tiles,
+    4 warps) storing ds and p, and dlatent as the GEMM over them (128 slots × 64 columns a program). fp32: the
+    recomputing kernels, 16 everywhere, one stage."""
     if dtype == torch.float32:
         return BwdConfig(heads=head_tiles(H, 16), block_k=16, dkv_block_k=16, dkv_block_h=16, num_stages=1)
     wide = k > 32
+    if H <= 128:
+        return BwdConfig(heads=head_tiles(H, 32), block_k=128 if k > 64 else 64 if wide else 32, slot_major=True,
+                         num_warps=8, num_stages=3, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3,
+                         pds_all_heads=True, pds_dlat=True, pds_one_loop=True, gemm_block_k=64 if wide else 32,
+                         gemm_block_n=64, dkv_num_warps=4, dkv_num_stages=2)
     return BwdConfig(heads=head_tiles(H, 32), block_k=64 if wide else 32, slot_major=True, num_warps=4,
                      dkv_gemm=True, gemm_block_k=128 if wide else 32, gemm_block_n=64)
 
@@ -861,6 +1228,10 @@ def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
                     ("gemm_block_n", cfg.gemm_block_n), ("gemm_block_j", cfg.gemm_block_j)):
         if t < 16 or t & (t - 1):
             raise ValueError(f"sparse_mla: {name} {t} must be a power of two >= 16")
+    if not 1 <= cfg.gemm_dq_blocks <= 3:
+        raise ValueError(f"sparse_mla: gemm_dq_blocks {cfg.gemm_dq_blocks} must be 1, 2 or 3")
+    if cfg.pds_block_c < 16 or cfg.pds_block_c & (cfg.pds_block_c - 1):
+        raise ValueError(f"sparse_mla: pds_block_c {cfg.pds_block_c} must be a power of two >= 16")
     if sum(cfg.heads) < H:
         raise ValueError(f"sparse_mla: head tiles {cfg.heads} do not cover H={H}")
     # o and do enter dots with q and the latent: one dtype (autograd hands do in o's); the LSE in fp32
@@ -877,9 +1248,27 @@ def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
     fused = cfg.fused_dkv and not deterministic
     gemm = cfg.dkv_gemm and not fused
 
-    def dq_pass(r0: int, r1: int, pds: Tensor | None, with_dq: bool = True):
+    def dq_pass(r0: int, r1: int, pds: Tensor | None, with_dq: bool = True, out: Tensor | None = None):
         """The dq kernels over the queries [r0, r1) (with `pds`: storing their ds and p there; without `with_dq`
-        nothing else: dq is left to the dlatent kernel)."""
+        nothing else: dq is left to the dlatent kernel; `out`: where `pds_dlat` adds dlatent)."""
+        if cfg.pds_all_heads and pds is not None and not with_dq:
+            HA, HB = _head_groups(H)
+            wide = max(16, triton.next_power_of_2(D))
+            fuse = cfg.pds_dlat and cfg.gemm_dq      # dlatent here (else by the GEMM after)
+            if fuse and cfg.pds_skewed:
+                _bwd_pds_skewed_kernel[(r1 - r0,)](
+                    q, latent, indices, o, lse, do, lse if dlse is None else dlse, pds, dlat if out is None else out,
+                    r0, T, S, H, K, D, d_v, scale, scale * LOG2E, BK=cfg.block_k, BC=min(cfg.pds_block_c, wide),
+                    HA=HA, HB=HB, IB=_index_block(K), HAS_DLSE=dlse is not None, ATOMIC=not deterministic, F32=f32,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                return
+            _bwd_pds_kernel[(r1 - r0,)](
+                q, latent, indices, o, lse, do, lse if dlse is None else dlse, pds, dlat if out is None else out, r0,
+                T, S, H, K, D, d_v, scale, scale * LOG2E, BK=cfg.block_k, BC=min(cfg.pds_block_c, wide), HA=HA,
+                HB=HB, IB=_index_block(K), HAS_DLSE=dlse is not None, DLAT=fuse,
+                BN=min(cfg.gemm_block_n, wide), ONE_LOOP=cfg.pds_one_loop, ATOMIC=not deterministic, F32=f32,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            return
         for h0, bh, nt in _head_launches(cfg.heads):
             (_bwd_dq_kernel_sm if cfg.slot_major else _bwd_dq_kernel)[((r1 - r0) * nt,)](
                 q, latent, indices, o, lse, do, lse if dlse is None else dlse, dq, delta, dlat,
@@ -921,12 +1310,15 @@ def _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, determ
     B, T, H, D = q.shape
     S, K = latent.shape[1], indices.shape[-1]
     R = B * T
-    budget = max(1, PDS_CHUNK_ELEMENTS // (K * 2 * H))
+    width = H if cfg.gemm_dq and cfg.pds_all_heads and cfg.pds_dlat else 2 * H      # ds alone, or ds and p
+    budget = max(1, PDS_CHUNK_ELEMENTS // (K * width))
     if deterministic:
         budget = min(budget, max(1, DKV_CHUNK_ELEMENTS // (K * D)))
+    if cfg.pds_all_heads and budget >= sm_count(q.device):     # whole waves of its one program per query
+        budget -= budget % sm_count(q.device)
     rows = chunk_rows or cfg.gemm_rows or budget
-    pds = q.new_empty(min(rows, R) * K * 2 * H)
-    dq_atomic = cfg.gemm_cols and cfg.gemm_cols_dq and not deterministic
+    pds = q.new_empty(min(rows, R) * K * width)
+    dq_atomic = cfg.gemm_cols and cfg.gemm_cols_dq and not deterministic and not cfg.gemm_dq
     dq32 = torch.empty(min(rows, R), H, D, dtype=torch.float32, device=q.device) if dq_atomic else None
     BK = cfg.gemm_block_k
     NKB = triton.cdiv(K, BK)
@@ -936,9 +1328,18 @@ def _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, determ
                                                               else [])
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
-        dq_pass(r0, r1, pds, not dq_atomic)
         out = dlat if not deterministic else torch.empty((r1 - r0) * K, D, dtype=torch.float32, device=q.device)
-        if cfg.gemm_cols:
+        dq_pass(r0, r1, pds, not (dq_atomic or cfg.gemm_dq), out)
+        if cfg.gemm_dq:
+            BN = min(cfg.gemm_block_n, max(16, triton.next_power_of_2(D)))
+            HA, HB = _head_groups(H)
+            nsub = min(cfg.gemm_dq_blocks, triton.cdiv(D, BN))
+            NCB = triton.cdiv(triton.cdiv(D, BN), nsub)
+            _bwd_dkv_dq_gemm_kernel[((r1 - r0) * NCB,)](
+                pds, q, do, latent, indices, out, dq, r0, NCB, T, S, H, K, D, d_v, BK=BK, BN=BN, NSUB=nsub, HA=HA,
+                HB=HB, IB=_index_block(K), DLAT=not (cfg.pds_all_heads and cfg.pds_dlat), ATOMIC=not deterministic,
+                F32=f32, **warps)
+        elif cfg.gemm_cols:
             if dq_atomic:
                 dq32.zero_()
             _bwd_dkv_gemm_cols_kernel[((r1 - r0) * NKB,)](
@@ -955,6 +1356,16 @@ def _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, determ
                     BJ=cfg.gemm_block_j, ATOMIC=not deterministic, F32=f32, **warps)
         if deterministic:
             _reduce_by_key(out, indices, r0, r1, S, dlat)
+
+
+def _head_groups(H: int) -> tuple[int, int]:
+    """Two power-of-two head groups (16 at least) covering H, the second 0 when the first does: 96 -> (64, 32),
+    128 -> (128, 0), 40 -> (32, 16), 3 -> (16, 0)."""
+    pow2 = triton.next_power_of_2
+    if H <= 16 or pow2(H) == H:
+        return max(16, H), 0
+    first = pow2(H) // 2
+    return first, max(16, pow2(H - first))
 
 
 def _reduce_by_key(part, indices, r0, r1, S, dlat):

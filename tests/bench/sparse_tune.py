@@ -61,6 +61,69 @@ def kernel_times(name, fn, iters=3):
             print(f"| {e.key[:70]} | {e.device_time_total / iters / 1e3:.2f} | {e.count / iters:g} |", flush=True)
 
 
+ROUND3 = sm.BwdConfig((32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_block_k=128,
+                      gemm_block_n=64)
+"""The backward's default before `gemm_dq` / `pds_all_heads`: the transposed dq kernel storing ds and p, then the
+dlatent GEMM over them."""
+
+
+def bwd_variants(now):
+    """Named backward launches (`--bwd-variants`): `default` is `now`, the rest are built on `ROUND3` (also named
+    `round3`), so that their names keep their meaning when the default changes. `gemm-dq`: the dq kernels store ds
+    and p only and `_bwd_dkv_dq_gemm_kernel` forms dlatent and dq from them (a program per query and 64 columns);
+    `pds`: ds and p from `_bwd_pds_kernel` (a program per query for all 96 heads) instead of the dq kernels."""
+    r = functools.partial(dataclasses.replace, ROUND3)
+    g = functools.partial(r, gemm_dq=True, gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4, dkv_num_stages=2)
+    p = functools.partial(g, pds_all_heads=True, block_k=128, num_warps=8, num_stages=3)
+    return {
+        "default": now,
+        "round3": ROUND3,
+        "gemm-dq": g(),
+        "gemm-dq-s3": g(dkv_num_stages=3),
+        "gemm-dq-bk128": g(gemm_block_k=128),
+        "gemm-dq-w8": g(dkv_num_warps=8),
+        "gemm-dq-dsp-s1": g(num_stages=1),
+        "gemm-dq-dsp-w8": g(num_warps=8),
+        "gemm-dq-64+32": g(heads=(64, 32), num_stages=1),
+        "gemm-dq-bn128": g(gemm_block_n=128, dkv_num_warps=8),
+        "pds": g(pds_all_heads=True, num_warps=8, num_stages=3),
+        "pds-bk128": g(pds_all_heads=True, block_k=128, num_warps=8, num_stages=3),
+        "pds-w4": g(pds_all_heads=True, num_warps=4, num_stages=2),
+        "pds-bn128": g(pds_all_heads=True, num_warps=8, num_stages=3, gemm_block_n=128, dkv_num_warps=8),
+        "pds-x2": g(pds_all_heads=True, num_warps=8, num_stages=3, gemm_dq_blocks=2, dkv_num_warps=8),
+        "pds-x3": g(pds_all_heads=True, num_warps=8, num_stages=3, gemm_dq_blocks=3, dkv_num_warps=8),
+        # round 2: ds, p by `_bwd_pds_kernel` at 128 slots a step (the first round's best), the GEMM's launch varied
+        "pds128-g128w8": p(gemm_block_k=128, dkv_num_warps=8),
+        "pds128-g128": p(gemm_block_k=128),
+        "pds128-g32": p(gemm_block_k=32),
+        "pds128-s3": p(dkv_num_stages=3),
+        "pds128-rows1584": p(gemm_rows=1584),
+        "pds128-g128w8-rows1584": p(gemm_block_k=128, dkv_num_warps=8, gemm_rows=1584),
+        "pds128-p4": p(num_stages=4),
+        "pds128-c32": p(pds_block_c=32, num_stages=6),
+        # `pds_dlat`: dlatent in the ds, p kernel (a second pass over the columns), the GEMM forming dq only
+        "pdsd128": p(pds_dlat=True, num_stages=2),
+        "pdsd128-s3": p(pds_dlat=True),
+        "pdsd64": p(pds_dlat=True, block_k=64),
+        "pdsd128-x3": p(pds_dlat=True, num_stages=2, gemm_dq_blocks=3),
+        "pdsd64-x3": p(pds_dlat=True, block_k=64, gemm_dq_blocks=3),
+        # round 3: around pdsd128-s3 (the second round's best), its columns in one loop a pass (`pds_one_loop`)
+        "pdsd128-s3-x3": p(pds_dlat=True, gemm_dq_blocks=3),
+        "pdsd1": p(pds_dlat=True, pds_one_loop=True),
+        "pdsd1-x3": p(pds_dlat=True, pds_one_loop=True, gemm_dq_blocks=3),
+        "pdsd1-s4": p(pds_dlat=True, pds_one_loop=True, num_stages=4),
+        "pdsd1-g3": p(pds_dlat=True, pds_one_loop=True, dkv_num_stages=3),
+        "pdsd1-x3-g3": p(pds_dlat=True, pds_one_loop=True, gemm_dq_blocks=3, dkv_num_stages=3),
+        "pdsd1-rows2640": p(pds_dlat=True, pds_one_loop=True, gemm_rows=2640),
+        # `pds_skewed`: the two passes merged across steps (q and do streamed once a step)
+        "skew": p(pds_dlat=True, pds_one_loop=True, pds_skewed=True),
+        "skew-c32": p(pds_dlat=True, pds_one_loop=True, pds_skewed=True, pds_block_c=32, num_stages=4),
+        "skew-c32-x3": p(pds_dlat=True, pds_one_loop=True, pds_skewed=True, pds_block_c=32, num_stages=4,
+                         gemm_dq_blocks=3),
+        "skew-c32-s3": p(pds_dlat=True, pds_one_loop=True, pds_skewed=True, pds_block_c=32),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
@@ -68,6 +131,8 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="first the backward's time per kernel (torch.profiler) for its first three rows")
     ap.add_argument("--bwd-rows", default=":", help="a slice of the backward's rows, e.g. 0:10 (default: all)")
+    ap.add_argument("--bwd-variants", nargs="*", default=None,
+                    help="named backward launches instead of the sweep's rows (see BWD_VARIANTS; default first)")
     a = ap.parse_args()
     T, H, k, DV = a.tokens, 96, 2048, 512
     dev = torch.device("cuda")
@@ -93,14 +158,17 @@ def main():
         dkv64 = dict(dkv_slot_major=True, dkv_block_k=64, dkv_block_h=32, dkv_num_warps=8)
         g = functools.partial(r, **dq64, dkv_gemm=True)     # dlatent from the stored ds, p (no recomputed scores)
         now = sm.bwd_config(1, T, H, k, 576, DV, dev)
-        c = functools.partial(dataclasses.replace, now, gemm_cols=True)     # ds, p held, the columns walked
-        configs = [now, r(**dq64, **dkv64), c(), c(gemm_cols_dq=True), g(),
+        c = functools.partial(dataclasses.replace, ROUND3, gemm_cols=True)  # ds, p held, the columns walked
+        configs = [now, ROUND3, r(**dq64, **dkv64), c(), c(gemm_cols_dq=True), g(),
                    c(dkv_num_warps=8), c(gemm_block_k=64), c(dkv_num_stages=3), c(gemm_block_k=64, gemm_rows=2048),
                    c(gemm_cols_dq=True, dkv_num_warps=8), c(gemm_cols_dq=True, gemm_block_k=64),
                    c(gemm_cols_dq=True, slot_major=False, block_k=32), c(gemm_cols_dq=True, num_stages=3),
                    c(gemm_cols_dq=True, gemm_rows=2048)]
         lo, hi = (int(x) if x else None for x in a.bwd_rows.split(":"))
         configs = configs[lo:hi]
+        if a.bwd_variants is not None:
+            named = bwd_variants(now)
+            configs = [named[v] for v in ["default"] + [v for v in a.bwd_variants if v != "default"]]
         run = lambda c: sm.sparse_mla_bwd_launch(q, lat, idx, o, lse, do, None, scale=scale, d_v=DV, cfg=c)
         if a.profile:       # first: the kernels compiled here are reused by the sweep
             for c in configs[:3]:
