@@ -26,11 +26,14 @@ def _config(**changes) -> "it.IndexerLaunch":
     return base._replace(**changes)
 
 
-SMALL = [_config(block_q=1, block_k=16, chunk=16, programs=1, scan_counts=False),
-         _config(block_q=2, programs=5, histogram=True, histogram_compactions=True, move_stages=2)]
-"""One query a program with 16-entry chunks (one persistent program for every query, selecting by trial keys),
-and two queries a program over five programs, selecting by histograms; None below is the configuration
-`indexer_topk_triton` chooses (the final selection by histograms)."""
+SMALL = [_config(block_q=1, block_k=16, chunk=16, programs=1, scan_counts=False, order="snake"),
+         _config(block_q=2, programs=5, histogram=True, histogram_compactions=True, move_stages=2, order="dynamic",
+                 overlap=True)]
+"""One query a program with 16-entry chunks (one persistent program for every query, selecting by trial keys,
+tasks in snake order), and two queries a program over five programs, selecting by histograms, each program taking
+the next task free, each key block's dot issued before the previous block is taken; None below is the
+configuration `indexer_topk_triton` chooses (the final selection by histograms, two half dots a block, tasks to
+the first free program)."""
 PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30)]
 
 
@@ -111,7 +114,8 @@ def test_exact_through_many_compactions(order):
     """S far above the buffer: with scores increasing along the keys every key enters and the buffer is compacted
     every block; decreasing, nothing enters after the first topk; constant, every score ties and the first topk
     candidates win; random, a few compactions. Queries start at different keys (no key block alignment). The
-    histogram selection meets there its fallbacks (a K-th key's bin too large to copy behind the entries)."""
+    histogram selection meets there its fallbacks (a K-th key's bin too large to copy behind the entries). The
+    first launch scores each key block as two dots (`halves`)."""
     B, T, S, n, d = 1, 5, 192, 2, 16
     q, k, w = _inputs(B, T, S, n, d)
     s = torch.arange(S, device=DEVICE, dtype=torch.float32)
@@ -121,7 +125,7 @@ def test_exact_through_many_compactions(order):
     lo = torch.randint(0, 30, (B, T), device=DEVICE)
     hi = torch.full((B, T), S, device=DEVICE)
     hist = _config(block_k=16, chunk=16, histogram=True, histogram_compactions=True, histogram_bins=16)
-    for topk, config in ((5, _config(block_k=16, chunk=16)), (37, None), (11, hist)):
+    for topk, config in ((5, _config(block_k=16, chunk=16, halves=True)), (37, None), (11, hist)):
         assert it._capacity(topk, 32 if config is None else 16, S) < S - 30     # compactions are needed
         _assert_exact(q, k.contiguous(), w, lo, hi, topk, False, config)
 
@@ -318,8 +322,15 @@ def test_edge_shapes_and_errors():
 
 # ------------------------------------------------------------------------------------------ the release's sizes
 
+ONE_DOT = None if triton is None else it.launch_config(
+    1, 6144, 6144, 64, 128, 2048, causal=True, sms=132, interpret=False)._replace(halves=False, order="cyclic",
+                                                                                 num_stages=2)
+"""The release's launch as it was before the default took two half dots a key block, the dynamic task order and
+three key stages: one dot a block, tasks in turn, two stages."""
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, _config(block_q=2, block_k=64, chunk=512, programs=264)])
+@pytest.mark.parametrize("config", [None, _config(block_q=2, block_k=64, chunk=512, programs=264), ONE_DOT])
 def test_gpu_exact_release_shapes(config):
     """64 heads of 128, topk 2048, 6,144 tokens in two packed documents and a padded tail: equal to the reference
     on integer bf16 inputs (exact products and sums on the tensor cores), ties everywhere."""

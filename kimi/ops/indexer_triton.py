@@ -11,6 +11,10 @@ accumulator and the ReLU, the head weights and the sum over heads stay within a 
 (a free reshape, no shared-memory round trip), giving the scores [BM, BN] in fp32. Keys are visited in ascending
 position, only within the block's [min lo, max hi) (and, without a cache, not past the block's last query): the
 causal half is never computed. A block whose rows all have at most topk candidates writes them without scores.
+Options: `halves` takes each key block as two dots of BM/2 queries ([d, BM·n/2] operands), so a thread holds
+half the accumulator and half the weights at a time (the registers that otherwise spill at 4 warps); `overlap`
+issues each block's dot before the previous block's scores are taken (two accumulators; a tiny dot waited at
+once, `_dot_fence`, is where Triton waits for the previous one).
 
 **Order keys.** Each score becomes an int32 whose signed order is the order of the scores: NaN is mapped to +inf
 first (a NaN ranks above every number and ties with +inf, as `select_topk` ranks them) and -0 to +0 (equal scores,
@@ -38,7 +42,9 @@ stays within the slack, so no copy or search is needed, and the new threshold is
 
 **Memory.** Besides the output [B, T, topk], the prefill path holds one buffer per program of a persistent grid
 (about 2 programs per SM, each looping over query blocks, the longest first): programs × BM × CAP × 8 bytes, 52 MB
-on an H200 at topk = 2048 (BM = 4, CAP = 3·topk), whatever T and S.
+on an H200 at topk = 2048 (BM = 4, CAP = 3·topk), whatever T and S. The query blocks are handed out longest
+first, to each program in turn (`order="cyclic"`), in rounds alternating direction (`"snake"`), or to whichever
+program is free next through a counter (`"dynamic"`: the longest remaining task to the first free program).
 
 **Decode.** Few queries (T <= 16, no `causal`) against a long cache: the key range is split into `cdiv(S, split)`
 pieces (split a multiple of BN, fixed by B, S and the SM count); program (b, piece) runs the same streaming top-k
@@ -65,6 +71,9 @@ from .registry import fp32_matmuls_in_tf32, interpreted, sm_count, tl, triton, t
 HIST_BINS = 256
 """Bins of each of the final selection's two histograms (`_select`): the K-th key's bin of the second holds
 about cnt / HIST_BINS^2 entries on smooth scores."""
+
+TASK_ORDERS = {"cyclic": 0, "snake": 1, "dynamic": 2}
+"""`IndexerLaunch.order`: the prefill programs' task orders (the kernel's ORDER)."""
 
 DECODE_MAX_QUERIES = 16
 """Without `causal`, at most this many queries a row run on the split (decode) path when the keys span several
@@ -321,14 +330,22 @@ if triton is not None:
             tl.store(out_row + c0 + j, p, mask=m)
 
     @triton.jit
-    def _block_scores(k_row, s, qt, wc, c_mask, S, D, k_mask, dd, BM: tl.constexpr, BN: tl.constexpr,
-                      HP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr):
-        """fp32 scores [BM, BN] of the block's queries (qt [d, BM·n], weights wc) against the keys at positions
-        s [BN] (past S: zeros): one [BN, d] x [d, BM·n] dot, the ReLU, the weights, the sum over heads."""
+    def _block_keys(k_row, s, S, D, k_mask, dd, UPCAST: tl.constexpr):
+        """The keys at positions s [BN] as a [BN, d] tile (past S: zeros)."""
         kt = tl.load(k_row + s[:, None].to(tl.int64) * D + dd[None, :], mask=k_mask & (s[:, None] < S), other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
-        x = tl.dot(kt, qt, input_precision=PREC)           # [BN, BM·n], fp32 accumulation
+        return kt
+
+    @triton.jit
+    def _block_dot(k_row, s, qt, S, D, k_mask, dd, PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """The keys at positions s [BN] against the block's queries (qt [d, BM·n]): one [BN, d] x [d, BM·n]
+        dot, fp32 accumulation."""
+        return tl.dot(_block_keys(k_row, s, S, D, k_mask, dd, UPCAST), qt, input_precision=PREC)
+
+    @triton.jit
+    def _head_sum(x, wc, c_mask, BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, PAD_HEADS: tl.constexpr):
+        """fp32 scores [BM, BN] from a block's dot [BN, BM·n]: the ReLU, the weights wc, the sum over heads."""
         # a ReLU that keeps NaN, one max.NaN instruction an element
         x = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL) * wc[None, :]
         if PAD_HEADS:
@@ -336,17 +353,60 @@ if triton is not None:
         return tl.trans(tl.sum(tl.reshape(x, [BN, BM, HP]), axis=2))
 
     @triton.jit
-    def _indexer_stream_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, bk_ptr, bp_ptr, bn_ptr,
-                               B, T, S, H, D, K, NTB, NSPLIT, SPLIT, CAP, SLACK,
+    def _take_scores(sc, s, lo, hi, thr, kb, pb, cnt, BM: tl.constexpr, BN: tl.constexpr, SCAN_COUNT: tl.constexpr,
+                     SCORE_ONLY: tl.constexpr):
+        """Append the candidates of one key block (scores sc [BM, BN], positions s) scoring above the threshold.
+        SCORE_ONLY (timing only): a candidate is taken only when its score is NaN, which random inputs never give."""
+        key = _score_key(sc)
+        keep = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]) & (key > thr[:, None])
+        if SCORE_ONLY:
+            keep = keep & (sc != sc)
+        return _append(kb, pb, key, tl.broadcast_to(s[None, :], (BM, BN)), keep, cnt, SCAN_COUNT)
+
+    @triton.jit
+    def _take(x, s, wc, c_mask, lo, hi, thr, kb, pb, cnt, BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
+              PAD_HEADS: tl.constexpr, SCAN_COUNT: tl.constexpr, SCORE_ONLY: tl.constexpr):
+        """`_take_scores` from the block's dot x [BN, BM·n]."""
+        return _take_scores(_head_sum(x, wc, c_mask, BM, BN, HP, PAD_HEADS), s, lo, hi, thr, kb, pb, cnt, BM, BN,
+                            SCAN_COUNT, SCORE_ONLY)
+
+    @triton.jit
+    def _halves_scores(kt, qa, qb, wa, wb, c_mask, BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
+                       PAD_HEADS: tl.constexpr, PREC: tl.constexpr):
+        """Scores [BM, BN] as two dots, [BN, d] x [d, BM·n/2] each (the block's first and second half of
+        queries): half the accumulator a thread holds at a time."""
+        xa = tl.dot(kt, qa, input_precision=PREC)
+        xb = tl.dot(kt, qb, input_precision=PREC)
+        sa = _head_sum(xa, wa, c_mask, BM // 2, BN, HP, PAD_HEADS)
+        sb = _head_sum(xb, wb, c_mask, BM // 2, BN, HP, PAD_HEADS)
+        return tl.reshape(tl.permute(tl.join(sa, sb), (2, 0, 1)), [BM, BN])
+
+    @triton.jit
+    def _dot_fence(never_ptr, never, BN: tl.constexpr):
+        """A dot waited for at once: Triton's wait for it also waits for every dot issued before, which lets the
+        previous key block's dot run on while the next block's scores are taken (a dot whose result only the next
+        iteration reads is left in flight up to such a wait). `never` is false; the store keeps the dot."""
+        f = tl.dot(tl.zeros([BN, 16], tl.bfloat16), tl.zeros([16, 16], tl.bfloat16))
+        tl.store(never_ptr + tl.arange(0, BN)[:, None] * 16 + tl.arange(0, 16)[None, :], f, mask=never)
+
+    @triton.jit
+    def _indexer_stream_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, bk_ptr, bp_ptr, bn_ptr, next_ptr,
+                               B, T, S, H, D, K, NTB, NSPLIT, SPLIT, CAP, SLACK, ORDER: tl.constexpr,
                                BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                                CH: tl.constexpr, NB: tl.constexpr, HIST: tl.constexpr, HIST_COMPACT: tl.constexpr,
                                CAUSAL: tl.constexpr, SPLIT_OUT: tl.constexpr, MS: tl.constexpr,
-                               SCAN_COUNT: tl.constexpr,
+                               SCAN_COUNT: tl.constexpr, OVERLAP: tl.constexpr, HALVES: tl.constexpr,
+                               SCORE_ONLY: tl.constexpr,
                                PREC: tl.constexpr, UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr):
         # tasks (b, query block, key split), the query blocks in descending order (the causal ones get longer);
         # a prefill program loops over tasks with its own buffer, a split program (SPLIT_OUT) does one task and
-        # leaves its buffer and counts (bn) for the merge
+        # leaves its buffer and counts (bn) for the merge. ORDER, how a prefill program takes its next task:
+        # 0 every programs-th (cyclic), 1 cyclic with every second round reversed (snake: the rounds' long and
+        # short tasks pair up), 2 the next one not yet taken (a counter at next_ptr, zero at the launch: the
+        # longest remaining task goes to the first program free)
         pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        tasks = B * NTB * NSPLIT
         rm = tl.arange(0, BM)
         cn = tl.arange(0, BN)
         dd = tl.arange(0, DP)
@@ -355,7 +415,12 @@ if triton is not None:
         c_mask = c_head < H
         q_mask = c_mask[None, :] & (dd[:, None] < D)
         k_mask = dd[None, :] < D
-        for task in range(pid, B * NTB * NSPLIT, tl.num_programs(0)):
+        if ORDER == 2:
+            task = tl.atomic_add(next_ptr, 1)
+        else:
+            task = pid
+        rnd = 0
+        while task < tasks:
             sp = task % NSPLIT
             b = (task // NSPLIT) % B
             t0 = (NTB - 1 - task // (NSPLIT * B)) * BM
@@ -389,11 +454,26 @@ if triton is not None:
                 # the block's queries as one [d, BM·n] operand (rows past T read the last query: no candidates),
                 # so each key block is one [BN, d] x [d, BM·n] dot: the heads lie along the accumulator's rows,
                 # and the sum over them stays within a thread and its lane quad
-                r = b.to(tl.int64) * T + tl.minimum(t0 + cq // HP, T - 1)
-                qt = tl.load(q_ptr + ((r * H + c_head) * D)[None, :] + dd[:, None], mask=q_mask, other=0.0)
-                wc = tl.load(w_ptr + r * H + c_head, mask=c_mask, other=0.0)
-                if UPCAST:                     # the interpreter's 16-bit dot is wrong; fp32 products are exact
-                    qt = qt.to(tl.float32)
+                if HALVES:                     # two operands of BM/2 queries each
+                    ch = tl.arange(0, BM * HP // 2)
+                    h_head = ch % HP
+                    h_mask = h_head < H
+                    ra = b.to(tl.int64) * T + tl.minimum(t0 + ch // HP, T - 1)
+                    rb = b.to(tl.int64) * T + tl.minimum(t0 + BM // 2 + ch // HP, T - 1)
+                    hq_mask = h_mask[None, :] & (dd[:, None] < D)
+                    qa = tl.load(q_ptr + ((ra * H + h_head) * D)[None, :] + dd[:, None], mask=hq_mask, other=0.0)
+                    qb = tl.load(q_ptr + ((rb * H + h_head) * D)[None, :] + dd[:, None], mask=hq_mask, other=0.0)
+                    wa = tl.load(w_ptr + ra * H + h_head, mask=h_mask, other=0.0)
+                    wb = tl.load(w_ptr + rb * H + h_head, mask=h_mask, other=0.0)
+                    if UPCAST:
+                        qa = qa.to(tl.float32)
+                        qb = qb.to(tl.float32)
+                else:
+                    r = b.to(tl.int64) * T + tl.minimum(t0 + cq // HP, T - 1)
+                    qt = tl.load(q_ptr + ((r * H + c_head) * D)[None, :] + dd[:, None], mask=q_mask, other=0.0)
+                    wc = tl.load(w_ptr + r * H + c_head, mask=c_mask, other=0.0)
+                    if UPCAST:                 # the interpreter's 16-bit dot is wrong; fp32 products are exact
+                        qt = qt.to(tl.float32)
                 k_row = k_ptr + b.to(tl.int64) * S * D
                 # segments of key blocks that cannot overflow a buffer, compactions between them: the inner loop
                 # holds no branch, so its key loads are software-pipelined
@@ -407,12 +487,27 @@ if triton is not None:
                             cnt, thr = _compact(kb, pb, cnt, thr, K, SLACK, BM, CH, MS)
                         most = tl.max(cnt)
                     seg_end = tl.minimum(s_hi, seg + (CAP - most) // BN * BN)
-                    for s0 in range(seg, seg_end, BN):
-                        s = s0 + cn
-                        key = _score_key(_block_scores(k_row, s, qt, wc, c_mask, S, D, k_mask, dd, BM, BN, HP, PREC,
-                                                       UPCAST, PAD_HEADS))
-                        keep = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]) & (key > thr[:, None])
-                        cnt = _append(kb, pb, key, tl.broadcast_to(s[None, :], (BM, BN)), keep, cnt, SCAN_COUNT)
+                    if HALVES:
+                        for s0 in range(seg, seg_end, BN):
+                            sc = _halves_scores(_block_keys(k_row, s0 + cn, S, D, k_mask, dd, UPCAST), qa, qb, wa, wb,
+                                                h_mask, BM, BN, HP, PAD_HEADS, PREC)
+                            cnt = _take_scores(sc, s0 + cn, lo, hi, thr, kb, pb, cnt, BM, BN, SCAN_COUNT, SCORE_ONLY)
+                    elif OVERLAP:              # each block's dot runs while the previous block's scores are taken
+                        x = _block_dot(k_row, seg + cn, qt, S, D, k_mask, dd, PREC, UPCAST)
+                        for s0 in range(seg + BN, seg_end, BN):
+                            x_next = _block_dot(k_row, s0 + cn, qt, S, D, k_mask, dd, PREC, UPCAST)
+                            cnt = _take(x, s0 - BN + cn, wc, c_mask, lo, hi, thr, kb, pb, cnt, BM, BN, HP, PAD_HEADS,
+                                        SCAN_COUNT, SCORE_ONLY)
+                            _dot_fence(bp_ptr, s0 < 0, BN)
+                            x = x_next
+                        last = seg + (seg_end - seg - 1) // BN * BN
+                        cnt = _take(x, last + cn, wc, c_mask, lo, hi, thr, kb, pb, cnt, BM, BN, HP, PAD_HEADS,
+                                    SCAN_COUNT, SCORE_ONLY)
+                    else:
+                        for s0 in range(seg, seg_end, BN):
+                            cnt = _take(_block_dot(k_row, s0 + cn, qt, S, D, k_mask, dd, PREC, UPCAST), s0 + cn, wc,
+                                        c_mask, lo, hi, thr, kb, pb, cnt, BM, BN, HP, PAD_HEADS, SCAN_COUNT,
+                                        SCORE_ONLY)
                     seg = seg_end
                 if tl.max(cnt) > K:
                     if HIST:                   # two histograms, then the exact search over one bin's keys
@@ -425,6 +520,13 @@ if triton is not None:
                 else:
                     _write_rows(out_ptr + (bt * K)[:, None], pb, cnt, rmask, K, CH, MS)
                 tl.debug_barrier()             # the buffer is read before the next task overwrites it
+            rnd += 1
+            if ORDER == 2:
+                task = tl.atomic_add(next_ptr, 1)
+            elif ORDER == 1:
+                task = rnd * nprog + tl.where(rnd % 2 == 1, nprog - 1 - pid, pid)
+            else:
+                task = rnd * nprog + pid
 
     @triton.jit
     def _indexer_merge_kernel(sk_ptr, spos_ptr, sn_ptr, lo_ptr, hi_ptr, out_ptr, bk_ptr, bp_ptr, T, S, K, NSPLIT,
@@ -479,6 +581,12 @@ class IndexerLaunch(NamedTuple):
     move_stages: int = 1  # pipeline stages of the passes that move entries (keep, copy, output); 1: none
     scan_counts: bool = True  # the buffer counts from the appends' prefix sums (`_append`: unreplicated passes)
     histogram_bins: int = HIST_BINS  # bins of each histogram level (a power of two)
+    order: str = "cyclic"  # prefill: how a program takes its next task, one of `TASK_ORDERS`
+    halves: bool = False  # each key block as two dots of block_q / 2 queries (half the accumulator registers)
+    score_only: bool = False  # timing only: the scores and the keep test, but no key is taken (the selection
+    #                            is wrong: every row keeps its first candidates)
+    overlap: bool = False  # each key block's dot issued before the previous block's scores are taken (two
+    #                        accumulators live: for 8 warps, where each thread holds half of 4 queries' heads)
 
 
 def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: bool, sms: int,
@@ -493,11 +601,13 @@ def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: 
         bn, chunk, merge_block, warps, stages = 32, 64, 64, 4, 1
         split = 64 if not causal and T <= 4 and S > 64 else 0
     else:
-        # 16-bit: 64 keys x (4 queries x 64 heads) a dot, one warpgroup (wgmma M = 64 keys, N = 256), two stages
-        # of key tiles in flight; buffers of 3·topk entries (fewer compactions: 4.0 ms at T = 8K against 4.7 ms
-        # with 2·topk); the prefill's final selection by histograms (fewer passes than by trial keys; the decode
-        # pieces keep trial keys until timed). fp32 (the parity path): 2 queries, 32 keys, one stage.
-        bn, chunk, merge_block, warps, stages = 64, 0, 4096, 4, 2
+        # 16-bit: 64 keys a step against 4 queries x 64 heads, as two dots of 2 queries (`halves`: wgmma M = 64 keys,
+        # N = 128; a thread holds half the accumulator and weights at a time, so the scoring loop does not spill and
+        # two programs share an SM), three stages of key tiles in flight (two programs an SM still fit), the
+        # longest task left to the first free program (`order="dynamic"`), buffers of 3·topk entries (fewer
+        # compactions than 2·topk), the prefill's final selection by histograms. The decode pieces keep one dot,
+        # two stages and trial keys until timed; fp32 (the parity path): 2 queries, 32 keys, one stage, one dot.
+        bn, chunk, merge_block, warps, stages = 64, 0, 4096, 4, 3
         capacity = 3 * topk
         if dtype == torch.float32:
             bm, bn, stages = min(2, bm), 32, 1
@@ -506,12 +616,15 @@ def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: 
             # about two programs an SM over the batch's pieces, each piece at least 4 key blocks
             split = min(8192, max(4 * bn, pow2(triton.cdiv(S * B * triton.cdiv(T, bm), 2 * sms))))
             split = split if triton.cdiv(S, split) > 1 else 0
+        if split:
+            stages = min(stages, 2)
     chunk = chunk or 512 // bm                  # [BM, CH] compaction tiles: 4 entries a thread at 4 warps
     programs = 0 if split else max(1, min(B * triton.cdiv(T, bm), 3 if interpret else 2 * sms))
+    halves = not split and (interpret or dtype != torch.float32)
     return IndexerLaunch(block_q=bm, block_k=bn, chunk=chunk, programs=programs, split=split,
                          merge_block=merge_block, num_warps=warps, num_stages=stages,
                          merge_warps=4 if interpret else 8, capacity=0 if split else capacity,
-                         histogram=not split)
+                         histogram=not split, order="dynamic", halves=halves)
 
 
 def _capacity(topk: int, block: int, most: int, want: int = 0) -> int:
@@ -525,6 +638,18 @@ def _capacity(topk: int, block: int, most: int, want: int = 0) -> int:
 def _slack(cap: int, topk: int, block: int) -> int:
     """Entries above topk a compaction before the end may keep: half the room a compacted buffer has left."""
     return max(0, (cap - block - topk) // 2)
+
+
+def _stream_flags(c: IndexerLaunch, HP: int, DP: int, prec, upcast: bool, pad_heads: bool) -> dict:
+    """`_indexer_stream_kernel`'s constexprs and compile options for launch `c` (heads padded to HP, head width to
+    DP), but for CAUSAL, SPLIT_OUT and ORDER, which depend on the path."""
+    flags = dict(BM=c.block_q, BN=c.block_k, HP=HP, DP=DP, CH=c.chunk, NB=c.histogram_bins, HIST=c.histogram,
+                 HIST_COMPACT=c.histogram_compactions, MS=c.move_stages, SCAN_COUNT=c.scan_counts, OVERLAP=c.overlap,
+                 HALVES=c.halves and c.block_q > 1, SCORE_ONLY=c.score_only, PREC=prec, UPCAST=upcast,
+                 PAD_HEADS=pad_heads, num_warps=c.num_warps, num_stages=c.num_stages)
+    if c.max_registers:
+        flags["maxnreg"] = c.max_registers
+    return flags
 
 
 def _check_indexer(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, topk: int):
@@ -588,20 +713,19 @@ def indexer_topk_launch(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
         prec = "tf32" if not interp and fp32_matmuls_in_tf32() else "ieee"
     else:
         prec = None                            # 16-bit products, exact in the fp32 accumulator
-    flags = dict(BM=c.block_q, BN=c.block_k, HP=HP, DP=DP, CH=c.chunk, NB=c.histogram_bins, HIST=c.histogram,
-                 HIST_COMPACT=c.histogram_compactions, MS=c.move_stages, SCAN_COUNT=c.scan_counts, PREC=prec,
-                 UPCAST=upcast, PAD_HEADS=HP != H, num_warps=c.num_warps, num_stages=c.num_stages)
-    if c.max_registers:
-        flags["maxnreg"] = c.max_registers
+    flags = _stream_flags(c, HP, DP, prec, upcast, HP != H)
     i32 = dict(dtype=torch.int32, device=q.device)
     ntb = triton.cdiv(T, c.block_q)
     if not c.split:
         cap = _capacity(topk, c.block_k, S, c.capacity)
         bk = torch.empty(c.programs, c.block_q, cap, **i32)
         bp = torch.empty_like(bk)
-        _indexer_stream_kernel[(c.programs,)](q, k, w, lo, hi, out, bk, bp, bk, B, T, S, H, D, topk, ntb, 1,
-                                              max(S, 1), cap, _slack(cap, topk, c.block_k), CAUSAL=causal,
-                                              SPLIT_OUT=False, **flags)
+        if c.order not in TASK_ORDERS:
+            raise ValueError(f"indexer_topk_launch: order={c.order!r}, expected one of {list(TASK_ORDERS)}")
+        nxt = torch.zeros(1, **i32) if c.order == "dynamic" else bk
+        _indexer_stream_kernel[(c.programs,)](q, k, w, lo, hi, out, bk, bp, bk, nxt, B, T, S, H, D, topk, ntb, 1,
+                                              max(S, 1), cap, _slack(cap, topk, c.block_k), TASK_ORDERS[c.order],
+                                              CAUSAL=causal, SPLIT_OUT=False, **flags)
         return out
     nsplit = triton.cdiv(S, c.split)
     caps = _capacity(topk, c.block_k, c.split, c.capacity)
@@ -609,8 +733,8 @@ def indexer_topk_launch(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     sk = torch.empty(B, rows, nsplit, caps, **i32)
     spos = torch.empty_like(sk)
     sn = torch.empty(B, rows, nsplit, **i32)
-    _indexer_stream_kernel[(B * ntb * nsplit,)](q, k, w, lo, hi, out, sk, spos, sn, B, T, S, H, D, topk, ntb, nsplit,
-                                                c.split, caps, _slack(caps, topk, c.block_k), CAUSAL=False,
+    _indexer_stream_kernel[(B * ntb * nsplit,)](q, k, w, lo, hi, out, sk, spos, sn, sn, B, T, S, H, D, topk, ntb,
+                                                nsplit, c.split, caps, _slack(caps, topk, c.block_k), 0, CAUSAL=False,
                                                 SPLIT_OUT=True, **flags)
     cap = _capacity(topk, c.merge_block, nsplit * min(topk, caps))
     mk = torch.empty(B * T, cap, **i32)

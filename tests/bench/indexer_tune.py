@@ -13,6 +13,7 @@ the selections are exact on fp32 scores, so they agree unless two scores tie). T
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 from pathlib import Path
 
@@ -28,23 +29,48 @@ NI, DI = 64, 128
 
 VARIANTS = {
     "default": {},
-    "round2": dict(histogram=False, scan_counts=False),
-    "replicated": dict(scan_counts=False),
+    "round3": dict(halves=False, order="cyclic", num_stages=2),
+    "round2": dict(halves=False, order="cyclic", num_stages=2, histogram=False, scan_counts=False),
+    "one-dot": dict(halves=False),
+    "cyclic": dict(order="cyclic"),
+    "snake": dict(order="snake"),
+    "stages2": dict(num_stages=2),
+    "score-only": dict(score_only=True),
     "search": dict(histogram=False),
     "histogram-all": dict(histogram_compactions=True),
-    "bins64": dict(histogram_bins=64),
     "move3": dict(move_stages=3),
-    "histogram-all-move3": dict(histogram_compactions=True, move_stages=3),
-    "chunk256": dict(chunk=256),
+    "chunk64": dict(chunk=64),
     "cap2k": dict(capacity=2 * 2048 + 128),
     "cap4k": dict(capacity=4 * 2048),
-    "bq8": dict(block_q=8, chunk=128, num_warps=8, per_sm=1),
-    "bq8-histogram-all": dict(block_q=8, chunk=128, num_warps=8, per_sm=1, histogram_compactions=True),
-    "bq2": dict(block_q=2, chunk=256),
-    "bq2-3sm": dict(block_q=2, chunk=256, per_sm=3, max_registers=168),
-    "bq2-3sm-histogram-all": dict(block_q=2, chunk=256, per_sm=3, max_registers=168, histogram_compactions=True),
+    "bq2-stages4": dict(block_q=2, chunk=256, num_stages=4, halves=False),
+    "bq2-3sm": dict(block_q=2, chunk=256, per_sm=3, max_registers=168, num_stages=2, halves=False),
+    "w8": dict(num_warps=8, per_sm=1, halves=False),
+    "w8-2sm": dict(num_warps=8, max_registers=128, num_stages=2, halves=False),
+    "w8-overlap": dict(num_warps=8, per_sm=1, halves=False, overlap=True),
 }
-"""Changes to `launch_config`'s choice (`IndexerLaunch` fields; `per_sm`: persistent programs an SM), by name."""
+"""Changes to `launch_config`'s choice (`IndexerLaunch` fields; `per_sm`: persistent programs an SM), by name.
+`round3` is the launch before two half dots, dynamic task order and three stages became the default.
+`score-only` times the scoring loop without any key taken (its rows differ from the others by design)."""
+
+
+def blocks_per_sm(kernel) -> str:
+    """How many programs of a compiled Triton kernel an SM holds at once (the CUDA occupancy API), with its
+    registers, spills and shared memory."""
+    try:
+        n = ctypes.c_int(0)
+        cuda = ctypes.CDLL("libcuda.so.1")
+        err = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(kernel.function),
+                                                               kernel.metadata.num_warps * 32,
+                                                               ctypes.c_size_t(kernel.metadata.shared))
+        blocks = n.value if err == 0 else f"error {err}"
+    except (OSError, AttributeError) as e:
+        blocks = f"? ({type(e).__name__})"
+    return f"{blocks} ({kernel.n_regs} regs, {kernel.n_spills} spills, {kernel.metadata.shared // 1024} KiB)"
+
+
+def compiled(fn, device) -> set:
+    """The compiled kernels of a Triton function so far on `device`."""
+    return set(fn.device_caches[device][0].values()) if device in fn.device_caches else set()
 
 
 def variant(base: "it.IndexerLaunch", changes: dict, T: int, sms: int) -> "it.IndexerLaunch":
@@ -75,8 +101,9 @@ def main():
         flops = 2 * NI * DI * T * T / 2
         base = it.launch_config(1, T, T, NI, DI, k, causal=True, sms=sm_count(dev), interpret=False)
         print(f"\nT = {T:,}, top-{k}, causal ({flops / 1e12:.2f} TFLOP); default {base}", flush=True)
-        print("| variant | ms | TFLOP/s | peak GiB | rows identical to the first | vs cuDNN |", flush=True)
-        print("|---|---|---|---|---|---|", flush=True)
+        print("| variant | ms | TFLOP/s | peak GiB | rows identical to the first | vs cuDNN | programs an SM |",
+              flush=True)
+        print("|---|---|---|---|---|---|---|", flush=True)
         c_ms = None
         if dsa is not None:
             def cudnn():
@@ -94,13 +121,16 @@ def main():
             cfg = variant(base, VARIANTS[name], T, sm_count(dev))
             run = lambda: it.indexer_topk_launch(q, kk, w, lo, hi, topk=k, causal=True, config=cfg)
             try:
+                before = compiled(it._indexer_stream_kernel, dev.index or 0)
                 out = run()
+                new = compiled(it._indexer_stream_kernel, dev.index or 0) - before
+                occupancy = ", ".join(blocks_per_sm(kern) for kern in new)
                 ref = out if ref is None else ref
                 same = float((out == ref).all(-1).float().mean())
                 ms, peak = measure(run, a.iters)
                 ratio = f"{ms / c_ms:.2f}" if c_ms else ""
-                print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {peak:.2f} | {same:.2%} | {ratio} |",
-                      flush=True)
+                print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {peak:.2f} | {same:.2%} | {ratio} "
+                      f"| {occupancy} |", flush=True)
                 del out
             except Exception as e:   # a variant that does not compile or fit: report it, go on
                 print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | |", flush=True)
