@@ -27,12 +27,21 @@ squarings and three products of [BC, BC] blocks, written in place of L_aa. After
 back and finishes (I + L)⁻¹ by doubling: with Mi inverting the diagonal blocks of size s and E the coupling of each
 2s-block's halves, (D + E)⁻¹ = Mi − Mi E Mi exactly (block forward substitution), log2(C / BC) levels of two [C, C]
 dots (two at C = 64); then w = (I + L)⁻¹ R_w and u = (I + L)⁻¹ R_u as dots with it, and q̃, k̃, d. `V3["split"]`
-runs the strips as their own launch (`_strips3_kernel`, one program per query block) before `_solve3_kernel`.
+runs the strips as their own launch (`_strips3_kernel`, one program per query block) before `_solve3_kernel`;
+`V3["strips"] = "v4"` runs `_strips4_kernel` instead, one program per query block a that meets the keys one block b
+of BC rows at a time (a [BC, BC] dot per key piece, only 16-row scans: the keys carry e^{g(j, m_b]}, summed within
+b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the whole blocks between) and also writes q̃, k̃ and d, which
+leaves the solve w and u. `V3["strips"] = "v6"` (16-bit inputs; fp32 ones run "v4") first stores each chunk's
+prefix sums Γ (`_gamma_kernel`) and takes every factor from them, e^{Γ_r − Γ_{n_a}} and e^{Γ_{n_a} − Γ_j}, in
+`_strips6_kernel` and the solve: no scans left there, at the price of differences of prefix sums (off by an ulp of
+|Γ| ≤ 5·C, far below the operands' 16-bit rounding; fp32 inputs keep the sums of exactly the gates spanned).
 The sequential pass, `_state_kernel` (one program per sequence × head and block of state columns), carries its
 block of S through the chunks in fp32 registers, storing S_n and U_n, and `_output_kernel`, one program per (chunk,
-sequence × head, column block), forms O_n = q̃_n S_n + Aqk_n U_n from them in parallel. For 16-bit inputs w, q̃,
-k̃ and S_n are bf16 between the kernels (`V3`), and q̃_n S_n then takes bf16 operands (the same products as TF32
-ones of bf16 values).
+sequence × head, column block), forms O_n = q̃_n S_n + Aqk_n U_n from them in parallel.
+For 16-bit inputs w, q̃, k̃ and S_n are bf16 between the kernels (`V3`), and q̃_n S_n then takes bf16 operands (the
+same products as TF32 ones of bf16 values); with `V3["state_dots"] = "x2"` the pass's two dots take w and k̃ as
+stored and the fp32 S_n and U_n as the sum of two bf16 parts (two bf16 dots each: 16 bits of mantissa against
+TF32's 11).
 
 **Gates.** The anchored diagonal block needs e^{−g(n_a, j]} to stay finite over 15 tokens: the kernels take the
 bounded gate of K3, g ∈ [−5, 0] (as FLA's `safe_gate`); unbounded softplus gates belong to `delta_rule.kda_chunk`.
@@ -88,8 +97,10 @@ if triton is not None:
     @triton.jit
     def _dot(a, b, acc, P: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
         """acc + a @ b, accumulated in fp32, operands as P says: "ieee" fp32, "tf32" (10-bit mantissas), "16" (DT:
-        bf16 / fp16). Under the interpreter (EMULATE), whose 16-bit dot is wrong and whose TF32 is full fp32, the
-        operands are rounded as the tensor cores take them (TF32: low 13 bits dropped) and multiplied exactly."""
+        bf16 / fp16), "x2" (a already in DT, b split into two DT parts hi + lo: two 16-bit dots, b kept to 16 bits
+        of mantissa, a 16-bit operand never widened in registers). Under the interpreter (EMULATE), whose 16-bit
+        dot is wrong and whose TF32 is full fp32, the operands are rounded as the tensor cores take them (TF32: low
+        13 bits dropped) and multiplied exactly."""
         if P == "16":
             a = _to16(a, DT, EMULATE)
             b = _to16(b, DT, EMULATE)
@@ -104,6 +115,15 @@ if triton is not None:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+        elif P == "x2":   # a already in DT (16-bit scratch); b fp32 as the sum of two DT parts
+            a = _to16(a, DT, EMULATE)
+            hi = _to16(b, DT, EMULATE)
+            lo = _to16(b.to(tl.float32) - hi.to(tl.float32), DT, EMULATE)
+            if EMULATE:
+                acc = tl.dot(a.to(tl.float32), hi.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(a.to(tl.float32), lo.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, lo, tl.dot(a, hi, acc))
         else:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         return acc
@@ -302,13 +322,17 @@ if triton is not None:
             tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
 
     @triton.jit
-    def _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, n, bh, K, V, N,
-                scale, valid, tok, first, last, n_seg, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
+    def _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, r_ptr, n, bh, K, V,
+                N, scale, valid, tok, first, last, n_seg, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
                 LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INVERSE: tl.constexpr, SOLVE: tl.constexpr,
-                DT: tl.constexpr, EMULATE: tl.constexpr):
+                DT: tl.constexpr, EMULATE: tl.constexpr, QKD: tl.constexpr, SPLIT: tl.constexpr, RHS: tl.constexpr):
         """Chunk n's (I + L)⁻¹ from `_strip3`'s M (β·L, with (I + L_aa)⁻¹ on the diagonal blocks if LOG_BC > 0):
         the doubling of the module docstring from level LOG_BC = log2(BC) on (or from the identity at level 0),
-        each level reading its coupling afresh; written over M if INVERSE. Then w and u as dots with it, q̃, k̃, d."""
+        each level reading its coupling afresh; written over M if INVERSE. Then w and u as dots with it, and q̃, k̃,
+        d if QKD (else `_strips4_kernel` wrote them). SPLIT (not with INVERSE): this program forms only piece
+        program_id(2) of w's BK-column pieces followed by u's BV-column ones, each program its own (I + L)⁻¹. RHS 1:
+        w's right side β K e^{Γ} [seg = 0] read from r [B·H, N, C, K] fp32 (the strips wrote it), not formed; RHS 2:
+        r holds Γ (`_gamma_kernel`), and k̃ takes e^{Γ_{C−1} − Γ_j} (16-bit inputs only)."""
         rows = tl.arange(0, C)
         out = (bh * N + n) * C + rows
         r2 = rows[:, None]
@@ -327,23 +351,50 @@ if triton is not None:
             tl.debug_barrier()   # every thread has read L before (I + L)⁻¹ replaces it
             tl.store(M_ptr + out[:, None] * C + c2, Mi)
         beta = tl.load(beta_ptr + tok, mask=valid, other=0.0).to(tl.float32)
-        for k0 in range(0, K, BK):
+        k_lo = 0
+        k_hi = K
+        v_lo = 0
+        v_hi = V
+        if SPLIT:
+            tl.static_assert(not INVERSE)
+            piece = tl.program_id(2)
+            nk = tl.cdiv(K, BK)
+            k_lo = tl.where(piece < nk, piece * BK, K)
+            k_hi = tl.where(piece < nk, piece * BK + BK, K)
+            v_lo = tl.where(piece < nk, V, (piece - nk) * BV)
+            v_hi = tl.where(piece < nk, V, (piece - nk) * BV + BV)
+        for k0 in range(k_lo, k_hi, BK):
             kk = k0 + tl.arange(0, BK)
             mk = kk[None, :] < K
             m = valid[:, None] & mk
-            g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-            q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-            eg = tl.exp(tl.cumsum(g, 0))                                          # e^{Γ_r}
-            qd = tl.where(first, scale * q * eg, 0.0)
-            kd = tl.where(last, kt * tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)
-            tl.store(qd_ptr + out[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
-            tl.store(kd_ptr + out[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
-            tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(tl.sum(g, 0)), 0.0), mask=kk < K)
-            rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
+            if RHS == 1:
+                rhs = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
+            else:
+                kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                if RHS == 2:   # Γ from `_gamma_kernel` in r
+                    gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
+                else:
+                    g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                    gam = tl.cumsum(g, 0)
+                eg = tl.exp(gam)                                                  # e^{Γ_r}
+                rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
+            if QKD:
+                q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                qd = tl.where(first, scale * q * eg, 0.0)
+                if RHS == 2:   # Γ_{C−1} − Γ_j: a difference of prefix sums (16-bit inputs only)
+                    g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
+                    kd = tl.where(last, kt * tl.exp(g_end[None, :] - gam), 0.0)
+                else:
+                    kd = tl.where(last, kt * tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)
+                    g_end = tl.sum(g, 0)
+                tl.store(qd_ptr + out[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE),
+                         mask=mk)
+                tl.store(kd_ptr + out[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE),
+                         mask=mk)
+                tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
             w = _dot(Mi, rhs, tl.zeros([C, BK], dtype=tl.float32), SOLVE, DT, EMULATE)
             tl.store(w_ptr + out[:, None] * K + kk[None, :], _to16(w, w_ptr.dtype.element_ty, EMULATE), mask=mk)
-        for v0 in range(0, V, BV):
+        for v0 in range(v_lo, v_hi, BV):
             vv = v0 + tl.arange(0, BV)
             mv = vv[None, :] < V
             v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
@@ -367,10 +418,9 @@ if triton is not None:
             _strip3(q_ptr, k_ptr, g_ptr, beta_ptr, A_ptr, M_ptr, n, bh, a, T, H, K, N, scale, rst, seg, valid, tok,
                     C, BC, BK, LOG_BC > 0, PAIR, SOLVE, DT, EMULATE)
         tl.debug_barrier()   # the solve reads L back whole
-        _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, n, bh, K, V, N,
-                scale, valid, tok, (seg == 0)[:, None], (seg == n_seg)[:, None], n_seg, C, BC, LOG_BC, LEVELS, BKW,
-                BV, INVERSE, SOLVE,
-                DT, EMULATE)
+        _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, M_ptr, n, bh, K, V,
+                N, scale, valid, tok, (seg == 0)[:, None], (seg == n_seg)[:, None], n_seg, C, BC, LOG_BC, LEVELS, BKW,
+                BV, INVERSE, SOLVE, DT, EMULATE, True, False, False)
 
     @triton.jit
     def _strips3_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, A_ptr, M_ptr, T, H, K, N, scale,
@@ -387,17 +437,283 @@ if triton is not None:
 
     @triton.jit
     def _solve3_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr,
-                       T, H, K, V, N, scale, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
+                       r_ptr, T, H, K, V, N, scale, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
                        LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr,
-                       INVERSE: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
-        # program (chunk n, row bh): `_solve3` after `_strips3_kernel`
+                       INVERSE: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
+                       QKD: tl.constexpr = True, SPLIT: tl.constexpr = False, RHS: tl.constexpr = False):
+        # program (chunk n, row bh[, piece of w / u with SPLIT]): `_solve3` after `_strips3_kernel` (QKD) or
+        # `_strips4_kernel`
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
-        _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, n, bh, K, V, N,
-                scale, valid, tok, (seg == 0)[:, None], (seg == n_seg)[:, None], n_seg, C, BC, LOG_BC, LEVELS, BK,
-                BV, INVERSE, SOLVE,
-                DT, EMULATE)
+        _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, r_ptr, n, bh, K, V,
+                N, scale, valid, tok, (seg == 0)[:, None], (seg == n_seg)[:, None], n_seg, C, BC, LOG_BC, LEVELS, BK,
+                BV, INVERSE, SOLVE, DT, EMULATE, QKD, SPLIT, RHS)
+
+    @triton.jit
+    def _gate_sum(g_ptr, seq, h, n, lo, hi, kk, mk, T, H, K, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+        """Σ of the gates of chunk n's blocks lo..hi−1 (of BC rows) on the key channels kk: [BK]."""
+        acc = tl.zeros([BK], dtype=tl.float32)
+        for c in range(lo, hi):
+            t = n * C + c * BC + tl.arange(0, BC)
+            g = tl.load(g_ptr + ((seq * T + t) * H + h)[:, None] * K + kk[None, :], mask=(t < T)[:, None] & mk,
+                        other=0.0)
+            acc += tl.sum(g.to(tl.float32), 0)
+        return acc
+
+    @triton.jit
+    def _strips4_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, qd_ptr, kd_ptr, A_ptr, M_ptr, d_ptr, r_ptr, T, H, K,
+                        N, scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
+                        PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
+                        RHS: tl.constexpr = False):
+        # program (chunk n × query block a, row bh), `V3["strips"] = "v4"`: block a's rows of Aqk and β·L (its
+        # diagonal block inverted, as `_strip3` with DIAG) one [BC, BC] block of keys at a time, each a dot per
+        # key piece, and q̃, k̃ of its rows (d from the last block). Only 16-row scans: key block b < a carries
+        # e^{g(j, m_b] + g(m_b, n_a]}, the first a sum within b, the second g_{n_a} plus the whole blocks between,
+        # so every exponent is a sum of exactly the gates it spans.
+        NB: tl.constexpr = C // BC
+        n = tl.program_id(0) // NB
+        a = tl.program_id(0) % NB
+        bh = tl.program_id(1).to(tl.int64)
+        seq = bh // H
+        h = bh % H
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
+        rows = tl.arange(0, C)
+        lr = tl.arange(0, BC)
+        ra = a * BC + lr
+        va = ((n * C + ra) < T)[:, None]
+        toka = (seq * T + n * C + ra) * H + h
+        a_rows = (bh * N + n) * C + ra
+        seg_a = tl.sum(tl.where(rows[None, :] <= ra[:, None], rst[None, :], 0), 1)
+        beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
+        zb = tl.zeros([BC, BC], dtype=tl.float32)
+        # the diagonal block (its own keys carry e^{−g(n_a, j]} ≤ e^{75}), q̃, k̃ and d, piece by piece
+        d_qk = zb
+        d_kk = zb
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = (kk < K)[None, :]
+            g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+            q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+            k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+            f = tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)             # g(n_a, r]
+            e = tl.exp(f)
+            kb = k_a * tl.exp(-f)
+            d_qk = _dot(q_a * e, tl.trans(kb), d_qk, PAIR, DT, EMULATE)
+            d_kk = _dot(k_a * e, tl.trans(kb), d_kk, PAIR, DT, EMULATE)
+            gam = _gate_sum(g_ptr, seq, h, n, 0, a, kk, mk, T, H, K, C, BC, BK) + tl.sum(
+                tl.where(lr[:, None] == 0, g_a, 0.0), 0)                          # Γ_{n_a}
+            after = _gate_sum(g_ptr, seq, h, n, a + 1, NB, kk, mk, T, H, K, C, BC, BK)
+            qd = tl.where((seg_a == 0)[:, None], scale * q_a * tl.exp(gam[None, :] + f), 0.0)
+            kd = tl.where((seg_a == n_seg)[:, None],
+                          k_a * tl.exp(tl.cumsum(g_a, 0, reverse=True) - g_a + after[None, :]), 0.0)
+            tl.store(qd_ptr + a_rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
+            tl.store(kd_ptr + a_rows[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
+            if RHS:   # w's right side for the solve: β K e^{Γ} on the first segment
+                tl.store(r_ptr + a_rows[:, None] * K + kk[None, :],
+                         tl.where((seg_a == 0)[:, None], beta_a[:, None] * k_a * tl.exp(gam[None, :] + f), 0.0),
+                         mask=mk)
+            if a == NB - 1:
+                dn = tl.where(n_seg == 0, tl.exp(gam + tl.sum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)), 0.0)
+                tl.store(d_ptr + (bh * N + n) * K + kk, dn, mask=kk < K)
+        same = seg_a[:, None] == seg_a[None, :]
+        tl.store(A_ptr + a_rows[:, None] * C + ra[None, :],
+                 tl.where(same & (lr[None, :] <= lr[:, None]), d_qk * scale, 0.0))
+        nil = tl.where(same & (lr[None, :] < lr[:, None]), d_kk, 0.0) * beta_a[:, None]
+        inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
+        pw = nil
+        tl.static_assert(BC == 16)
+        for i in tl.static_range(3):   # (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
+            pw = _dot(pw, pw, zb, SOLVE, DT, EMULATE)
+            inv = _dot(inv, pw, inv, SOLVE, DT, EMULATE)
+        tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
+        # earlier key blocks b: e^{g(j, m_b]} within b, e^{g(m_b, n_a]} the gates between
+        for b in range(a):
+            rb = b * BC + lr
+            vb = ((n * C + rb) < T)[:, None]
+            tokb = (seq * T + n * C + rb) * H + h
+            s_qk = zb
+            s_kk = zb
+            for k0 in range(0, K, BK):
+                kk = k0 + tl.arange(0, BK)
+                mk = (kk < K)[None, :]
+                g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+                q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+                k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+                g_b = tl.load(g_ptr + tokb[:, None] * K + kk[None, :], mask=vb & mk, other=0.0).to(tl.float32)
+                k_b = tl.load(k_ptr + tokb[:, None] * K + kk[None, :], mask=vb & mk, other=0.0).to(tl.float32)
+                e = tl.exp(tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0))    # e^{g(n_a, r]}
+                gap = _gate_sum(g_ptr, seq, h, n, b + 1, a, kk, mk, T, H, K, C, BC, BK) + tl.sum(
+                    tl.where(lr[:, None] == 0, g_a, 0.0), 0)                      # g(m_b, n_a]
+                kp = k_b * tl.exp(tl.cumsum(g_b, 0, reverse=True) - g_b + gap[None, :])   # e^{g(j, n_a]} ≤ 1
+                s_qk = _dot(q_a * e, tl.trans(kp), s_qk, PAIR, DT, EMULATE)
+                s_kk = _dot(k_a * e, tl.trans(kp), s_kk, PAIR, DT, EMULATE)
+            seg_b = tl.sum(tl.where(rows[None, :] <= rb[:, None], rst[None, :], 0), 1)
+            same = seg_a[:, None] == seg_b[None, :]
+            tl.store(A_ptr + a_rows[:, None] * C + rb[None, :], tl.where(same, s_qk * scale, 0.0))
+            tl.store(M_ptr + a_rows[:, None] * C + rb[None, :], tl.where(same, s_kk, 0.0) * beta_a[:, None])
+        for b in range(a + 1, NB):   # zeros above the diagonal blocks (the output pass reads Aqk whole)
+            tl.store(A_ptr + a_rows[:, None] * C + (b * BC + lr)[None, :], zb)
+
+    @triton.jit
+    def _strips5_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, qd_ptr, kd_ptr, A_ptr, M_ptr, d_ptr, r_ptr, T, H, K,
+                        N, scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
+                        PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
+                        RHS: tl.constexpr = False):
+        # program (chunk n × query block a, row bh), `V3["strips"] = "v5"`: what `_strips4_kernel` writes, the
+        # earlier key blocks all at once: per key piece the chunk's keys as [C // BC, BC, BK] blocks, each row j of
+        # block b < a carrying e^{g(j, m_b] + g(m_b, n_a]} (a 16-row scan within b, and g_{n_a} plus the totals of
+        # the whole blocks between, summed for each b), one [BC, C] dot against block a's queries; the diagonal
+        # block as in `_strips4_kernel`.
+        NB: tl.constexpr = C // BC
+        n = tl.program_id(0) // NB
+        a = tl.program_id(0) % NB
+        bh = tl.program_id(1).to(tl.int64)
+        seq = bh // H
+        h = bh % H
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
+        rows = tl.arange(0, C)
+        lr = tl.arange(0, BC)
+        blk = tl.arange(0, NB)
+        ra = a * BC + lr
+        va = ((n * C + ra) < T)[:, None]
+        toka = (seq * T + n * C + ra) * H + h
+        a_rows = (bh * N + n) * C + ra
+        t3 = n * C + blk[:, None, None] * BC + lr[None, :, None]               # [NB, BC, 1] positions
+        tok3 = (seq * T + t3) * H + h
+        seg_a = tl.sum(tl.where(rows[None, :] <= ra[:, None], rst[None, :], 0), 1)
+        beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
+        zb = tl.zeros([BC, BC], dtype=tl.float32)
+        d_qk = zb
+        d_kk = zb
+        s_qk = tl.zeros([BC, C], dtype=tl.float32)
+        s_kk = tl.zeros([BC, C], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = (kk < K)[None, :]
+            g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+            q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+            k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+            f = tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)             # g(n_a, r]
+            e = tl.exp(f)
+            qf = q_a * e
+            kf = k_a * e
+            kb = k_a * tl.exp(-f)                                               # ≤ e^{75}
+            d_qk = _dot(qf, tl.trans(kb), d_qk, PAIR, DT, EMULATE)
+            d_kk = _dot(kf, tl.trans(kb), d_kk, PAIR, DT, EMULATE)
+            m3 = (t3 < T) & (kk[None, None, :] < K)
+            g3 = tl.load(g_ptr + tok3 * K + kk[None, None, :], mask=m3, other=0.0).to(tl.float32)
+            k3 = tl.load(k_ptr + tok3 * K + kk[None, None, :], mask=m3 & (blk[:, None, None] < a),
+                         other=0.0).to(tl.float32)
+            tot = tl.sum(g3, 1)                                                 # [NB, BK] block totals
+            g_na = tl.sum(tl.where(lr[:, None] == 0, g_a, 0.0), 0)              # g_{n_a}
+            between = (blk[None, :, None] > blk[:, None, None]) & (blk[None, :, None] < a)
+            gap = tl.sum(tl.where(between, tot[None, :, :], 0.0), 1) + g_na[None, :]   # g(m_b, n_a] for b < a
+            phi = tl.cumsum(g3, 1, reverse=True) - g3 + gap[:, None, :]          # g(j, n_a] ≤ 0
+            kp = tl.reshape(tl.where(blk[:, None, None] < a, k3 * tl.exp(tl.where(blk[:, None, None] < a, phi, 0.0)),
+                                     0.0), [C, BK])
+            s_qk = _dot(qf, tl.trans(kp), s_qk, PAIR, DT, EMULATE)
+            s_kk = _dot(kf, tl.trans(kp), s_kk, PAIR, DT, EMULATE)
+            gam = tl.sum(tl.where(blk[:, None] < a, tot, 0.0), 0) + g_na        # Γ_{n_a}
+            after = tl.sum(tl.where(blk[:, None] > a, tot, 0.0), 0)
+            qd = tl.where((seg_a == 0)[:, None], scale * q_a * tl.exp(gam[None, :] + f), 0.0)
+            kd = tl.where((seg_a == n_seg)[:, None],
+                          k_a * tl.exp(tl.cumsum(g_a, 0, reverse=True) - g_a + after[None, :]), 0.0)
+            tl.store(qd_ptr + a_rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
+            tl.store(kd_ptr + a_rows[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
+            if RHS:   # w's right side for the solve: β K e^{Γ} on the first segment
+                tl.store(r_ptr + a_rows[:, None] * K + kk[None, :],
+                         tl.where((seg_a == 0)[:, None], beta_a[:, None] * k_a * tl.exp(gam[None, :] + f), 0.0),
+                         mask=mk)
+            if a == NB - 1:
+                dn = tl.where(n_seg == 0, tl.exp(gam + tl.sum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)), 0.0)
+                tl.store(d_ptr + (bh * N + n) * K + kk, dn, mask=kk < K)
+        # the strip: earlier blocks from the [BC, C] dots (zeros after block a), the diagonal block apart
+        same = seg_a[:, None] == seg[None, :]
+        off = (rows < a * BC) | (rows >= a * BC + BC)
+        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], tl.where(same, s_qk * scale, 0.0), mask=off[None, :])
+        tl.store(M_ptr + a_rows[:, None] * C + rows[None, :], tl.where(same, s_kk, 0.0) * beta_a[:, None],
+                 mask=off[None, :])
+        same = seg_a[:, None] == seg_a[None, :]
+        tl.store(A_ptr + a_rows[:, None] * C + ra[None, :],
+                 tl.where(same & (lr[None, :] <= lr[:, None]), d_qk * scale, 0.0))
+        nil = tl.where(same & (lr[None, :] < lr[:, None]), d_kk, 0.0) * beta_a[:, None]
+        inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
+        pw = nil
+        tl.static_assert(BC == 16)
+        for i in tl.static_range(3):   # (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
+            pw = _dot(pw, pw, zb, SOLVE, DT, EMULATE)
+            inv = _dot(inv, pw, inv, SOLVE, DT, EMULATE)
+        tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
+
+    @triton.jit
+    def _gamma_kernel(g_ptr, r_ptr, T, H, K, N, C: tl.constexpr, BK: tl.constexpr):
+        # program (chunk n, row bh, key piece): Γ_r = Σ_{u ≤ r} g_u of the chunk's rows into r [B·H, N, C, K] fp32
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        t = n * C + tl.arange(0, C)
+        kk = tl.program_id(2) * BK + tl.arange(0, BK)
+        m = (t < T)[:, None] & (kk < K)[None, :]
+        g = tl.load(g_ptr + (((bh // H) * T + t) * H + bh % H)[:, None] * K + kk[None, :], mask=m, other=0.0)
+        out = (bh * N + n) * C + tl.arange(0, C)
+        tl.store(r_ptr + out[:, None] * K + kk[None, :], tl.cumsum(g.to(tl.float32), 0), mask=(kk < K)[None, :])
+
+    @triton.jit
+    def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, T, H, K, N, scale,
+                        C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
+                        PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (chunk n × query block a, row bh), `V3["strips"] = "v6"` (16-bit inputs): `_strip3`'s strip with
+        # DIAG, its anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r) instead of scans:
+        # queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in block a). A
+        # difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands' 16-bit rounding.
+        NB: tl.constexpr = C // BC
+        n = tl.program_id(0) // NB
+        a = tl.program_id(0) % NB
+        bh = tl.program_id(1).to(tl.int64)
+        seq = bh // H
+        h = bh % H
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
+        rows = tl.arange(0, C)
+        lr = tl.arange(0, BC)
+        ra = a * BC + lr
+        va = ((n * C + ra) < T)[:, None]
+        toka = (seq * T + n * C + ra) * H + h
+        a_rows = (bh * N + n) * C + ra
+        c_rows = (bh * N + n) * C + rows
+        seg_a = tl.sum(tl.where(rows[None, :] <= ra[:, None], rst[None, :], 0), 1)
+        upto = (valid & (rows < a * BC + BC))[:, None]                       # the keys the strip meets
+        s_kk = tl.zeros([BC, C], dtype=tl.float32)
+        s_qk = tl.zeros([BC, C], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = (kk < K)[None, :]
+            gam = tl.load(r_ptr + c_rows[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
+            g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
+            k_an = tl.where(upto, kt * tl.exp(tl.where(upto, g_na[None, :] - gam, 0.0)), 0.0)
+            gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
+            e = tl.exp(gam_a - g_na[None, :])
+            q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+            k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+            s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
+            s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
+        beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
+        same = seg_a[:, None] == seg[None, :]
+        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :],
+                 tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0))
+        tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
+                 tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
+        tl.debug_barrier()   # L_aa back as one [BC, BC] block
+        nil = tl.load(M_ptr + a_rows[:, None] * C + ra[None, :])
+        zb = tl.zeros([BC, BC], dtype=tl.float32)
+        inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
+        pw = nil
+        tl.static_assert(BC == 16)
+        for i in tl.static_range(3):   # (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
+            pw = _dot(pw, pw, zb, SOLVE, DT, EMULATE)
+            inv = _dot(inv, pw, inv, SOLVE, DT, EMULATE)
+        tl.debug_barrier()   # every thread has read L_aa
+        tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
 
 _DT16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -479,15 +795,31 @@ PRECISION = {"pair": "16", "solve": "tf32", "state": "tf32"}
 Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dtype), "tf32" or "ieee"."""
 
 
-V3 = {"state_block": 64, "scratch": "16", "states": "16", "block_k": 64, "block_kw": 32, "num_warps": 4,
-      "stages": 2, "split": False, "diag_inverse": True, "state_stages": 1, "state_warps": 4}
-"""Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (32 or 64);
+V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_k": 64, "block_kw": 32, "num_warps": 4,
+      "stages": 2, "split": False, "diag_inverse": True, "state_stages": 1, "state_warps": 4, "state_dots": "tf32",
+      "strips": "v6", "strip_warps": 4, "solve_warps": None, "block_k4": 32, "block_k6": 32,
+      "solve_split": False, "solve_dots": None, "solve_rhs": False}
+"""Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
+or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
 and output dots then round their operands to TF32 or take them as bf16) or "fp32"; for the intra-chunk kernel:
 "block_k" the key piece of the strips' dots, "block_kw" that of w, "num_warps", "stages" (software pipelining of
 the loads), "split" (strips and solve as two launches, the query blocks in parallel), "diag_inverse" (the strips
 invert their diagonal blocks, leaving the solve two doubling levels instead of six); "state_stages", "state_warps"
-the state pass's launch. (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
+the state pass's launch, "state_dots" its dots' operands with bf16 scratch ("tf32"; "x2": w and k̃ as they are
+stored, S_n and U_n split in two bf16 parts, more exact than TF32 with no fp32 copy of w and k̃ in registers; "16":
+S_n and U_n rounded to bf16, as FLA's state pass); "state_block" "auto": `_auto_state` picks the columns, warps,
+stages and dots by the shape (the other three options then unused);
+"strips": "v4" runs `_strips4_kernel` (one [BC, BC] key block at a time, key pieces of "block_k4", q̃, k̃ and
+d there; "v5": `_strips5_kernel`, the earlier key blocks in one [BC, C] dot a piece) and then the solve (as
+"split", whatever "split" says); "strip_warps" and "solve_warps" (None: "num_warps") the split kernels' warps;
+"solve_split": the split solve as one program per chunk and piece of w or u, each forming its own (I + L)⁻¹ (not
+with `inverse`); "solve_dots": the split solve's operands (None: `PRECISION["solve"]`; "16": bf16, as FLA's);
+"strips": "v6" the prefix-sum kernels (module docstring; "block_k6" their key piece, "strip_warps" their warps;
+"v3": `_intra3_kernel`, or the split kernels with "split");
+"solve_rhs" (with "v4" / "v5"): the strips also write w's right side β K e^{Γ} to an fp32 scratch [B·H, N, C, K]
+for the solve, which then reads no gates (no scans, no exponentials there).
+(The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
 def _dots(dtype: torch.dtype, *which: str) -> dict:
@@ -526,16 +858,45 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     dots = _dots(q.dtype, "pair", "solve")
     blocks = dict(C=C, BC=SUB_CHUNK, HAS_RESET=reset is not None, num_stages=cfg["num_stages"], **dots)
     levels = dict(LOG_BC=SUB_CHUNK.bit_length() - 1 if V3["diag_inverse"] else 0, LEVELS=C.bit_length() - 1)
-    if V3["split"]:
+    ieee = q.dtype not in _DT16   # fp32 inputs: IEEE dots, whose operands sit in registers (`intra3_config`)
+    v6 = V3["strips"] == "v6" and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
+    v4 = V3["strips"] in ("v4", "v5") or (V3["strips"] == "v6" and ieee)
+    if v6:
+        levels["LOG_BC"] = SUB_CHUNK.bit_length() - 1
+        x["R"] = torch.empty(R, N, C, K, **f32)
+        bg = min(_pow2(K), 64)
+        _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
+        _strips6_kernel[(N * (C // SUB_CHUNK), R)](q, k, beta, rst, x["R"], x["A"], x["M"], T, H, K, N, float(scale),
+                                                   BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
+                                                   **blocks)
+    if v4:
+        levels["LOG_BC"] = SUB_CHUNK.bit_length() - 1
+        strips = _strips4_kernel if V3["strips"] == "v4" else _strips5_kernel
+        if V3["solve_rhs"]:
+            x["R"] = torch.empty(R, N, C, K, **f32)
+        strips[(N * (C // SUB_CHUNK), R)](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"],
+                                          x.get("R", x["M"]), T, H, K, N, float(scale), RHS="R" in x,
+                                          BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),
+                                          num_warps=(4 if strips is _strips4_kernel else 8) if ieee else
+                                          V3["strip_warps"], **blocks)
+    elif V3["split"]:
         _strips3_kernel[(N * (C // SUB_CHUNK), R)](q, k, g, beta, rst, x["A"], x["M"], T, H, K, N, float(scale),
-                                                   BK=cfg["BK"], DIAG=V3["diag_inverse"], num_warps=4, **blocks)
-        _solve3_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"], T, H, K, V,
-                               N, float(scale), BK=cfg["BKW"], BV=cfg["BV"], num_warps=cfg["num_warps"],
-                               INVERSE=inverse, **levels, **{n: w for n, w in blocks.items() if n != "PAIR"})
+                                                   BK=cfg["BK"], DIAG=V3["diag_inverse"],
+                                                   num_warps=4 if ieee else V3["strip_warps"], **blocks)
+    if v4 or v6 or V3["split"]:
+        pieces = triton.cdiv(K, cfg["BKW"]) + triton.cdiv(V, cfg["BV"]) if V3["solve_split"] and not inverse else 1
+        _solve3_kernel[(N, R, pieces)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"],
+                                       x.get("R", x["M"]), T, H, K, V, N, float(scale), BK=cfg["BKW"], BV=cfg["BV"],
+                                       RHS=2 if v6 else int("R" in x),
+                                       num_warps=cfg["num_warps"] if ieee or not V3["solve_warps"] else
+                                       V3["solve_warps"], INVERSE=inverse, QKD=not v4, SPLIT=pieces > 1, **levels,
+                                       **{**{n: w for n, w in blocks.items() if n != "PAIR"},
+                                          **({"SOLVE": V3["solve_dots"]} if V3["solve_dots"] and not ieee else {})})
     else:
         _intra3_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["A"], x["d"], x["M"], T,
                                H, K, V, N, float(scale), BK=cfg["BK"], BKW=cfg["BKW"], BV=cfg["BV"],
                                num_warps=cfg["num_warps"], INVERSE=inverse, **levels, **blocks)
+    x.pop("R", None)
     if not inverse:
         del x["M"]
     return x
@@ -543,48 +904,79 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
 
 def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
                 s0: Tensor | None, identity: bool, with_u: bool, states: Tensor | None = None,
-                block_v: int | None = None, launch: dict | None = None) -> Tensor:
+                block_v: int | str | None = None, launch: dict | None = None, dots: str | None = None) -> Tensor:
     """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V].
     `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n over x["u"].
-    block_v: the state columns of a program for 16-bit inputs (None: `state_config`'s own); launch: num_warps and
-    num_stages over `state_config`'s."""
+    block_v: the state columns of a program for 16-bit inputs (None: `state_config`'s own; "auto": `_auto_state`
+    picks them, the launch and the dots by the shape); launch: num_warps and num_stages over `state_config`'s; dots:
+    the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2" and "16" need bf16 w and k̃,
+    `_dot`)."""
     R, N, C = x["w"].shape[:3]
+    if block_v == "auto" and not x["w"].dtype == x["kd"].dtype == torch.bfloat16:
+        # fp32 scratch (the backward's recompute): the launch measured correct on the H200; `_auto_state`'s
+        # pipelined narrow launches gave wrong states there with fp32 tiles (docs/performance.md#kda)
+        block_v, launch = 64, None
+    if block_v == "auto":
+        block_v, launch, dots = _auto_state(R, V, x["w"].device)
     cfg = {**state_config(K, V, ieee=dtype not in _DT16, block_v=block_v), **(launch or {})}
+    prec = _dots(dtype, "state")
+    if dots is not None and dtype in _DT16:
+        if dots in ("x2", "16") and not x["w"].dtype == x["kd"].dtype == torch.bfloat16:
+            raise ValueError(f"_state_pass: dots={dots!r} needs bf16 w and k~, got {x['w'].dtype}")
+        prec["STATE"] = dots
     sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
     s0_ptr = s0.contiguous() if s0 is not None else sN
     mode = 2 if identity else (1 if s0 is not None else 0)
     _state_kernel[(R, triton.cdiv(V, cfg["BV"]))](
         x["w"], x["u"], x["kd"], x["d"], s0_ptr, sN, states if states is not None else sN, K, V, N, C=C,
         BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u, STORE=states is not None, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **_dots(dtype, "state"))
+        num_stages=cfg["num_stages"], **prec)
     return sN
+
+
+def _auto_state(R: int, V: int, device: torch.device) -> tuple[int, dict, str]:
+    """The state pass's launch for 16-bit inputs by the shape (`V3["state_block"] = "auto"`): (state columns a
+    program, num_warps and num_stages, dots), always "x2" dots. With a program of 64 columns for every SM: 64 columns,
+    4 warps, two stages (two programs an SM, all in one wave). With fewer rows (B·H) the pass is bound by each
+    program's chain of dependent dots, so more and shorter chains win: 16 columns, at 4 warps and two stages, or at
+    8 warps and three stages when even then there is at most one program an SM (docs/performance.md)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    if R * triton.cdiv(V, 64) >= sms:
+        return 64, dict(num_warps=4, num_stages=2), "x2"
+    if R * triton.cdiv(V, 16) <= sms:
+        return 16, dict(num_warps=8, num_stages=3), "x2"
+    return 16, dict(num_warps=4, num_stages=2), "x2"
 
 
 def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                          initial_state: Tensor | None = None, reset: Tensor | None = None, *, scale: float,
-                         chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+                         chunk_size: int = 64, residuals: bool = False) -> tuple[Tensor, ...]:
     """KDA forward as Triton kernels: the contract of `delta_rule.kda_chunk` / `kda_recurrent` for float32 and
     16-bit inputs with bounded gates (g ∈ [−5, 0], module docstring).
 
     q, k [B, T, H, K] (L2-normalized), v [B, T, H, V] (one dtype: float32, bfloat16 or float16), g [B, T, H, K]
     log-decay, beta [B, T, H], initial_state [B, H, K, V] float32 or None, reset [B, T] bool (the state is zeroed
-    before each True token). Returns o [B, T, H, V] in v.dtype and the final state [B, H, K, V] float32. Options
-    for 16-bit inputs: `V3`."""
+    before each True token). Returns o [B, T, H, V] in v.dtype and the final state [B, H, K, V] float32; with
+    `residuals` also the scratch (`kda_intra_triton`'s dict with (I + L)⁻¹ in "M" and U_n over "u") and the
+    states S_n [R, N, K, V] entering each chunk, for a backward that does not recompute them. Options for 16-bit
+    inputs: `V3`."""
     _check(q, k, v, g, beta, initial_state, reset, chunk_size, "kda_chunk_fwd_triton")
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     s16 = q.dtype in _DT16
     scratch = torch.bfloat16 if s16 and V3["scratch"] == "16" else torch.float32
-    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, scratch=scratch)
+    x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, scratch=scratch,
+                         inverse=residuals)
     R, N, C = x["w"].shape[:3]
     states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32,
                          device=q.device)
     launch = dict(num_warps=V3["state_warps"], num_stages=V3["state_stages"]) if s16 else None
     sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, states=states,
-                     block_v=V3["state_block"], launch=launch)
+                     block_v=V3["state_block"], launch=launch,
+                     dots=V3["state_dots"] if scratch == torch.bfloat16 else None)
     _output_pass(x, states, o, q.dtype)
-    return o, sN
+    return (o, sN, x, states) if residuals else (o, sN)
 
 
 def _output_pass(x: dict[str, Tensor], states: Tensor, o: Tensor, dtype: torch.dtype) -> None:

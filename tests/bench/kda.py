@@ -199,9 +199,14 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
             x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=state, output_final_state=True)
     rows["ours kda_step_inplace_triton (state in place)"] = (
         lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale))
+    rows["ours kda_step_inplace_triton, streaming cache hints"] = (
+        lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale, stream=True))
     rows["ours kda_decode_step_triton (convs + norms + step, in place)"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale))
+    rows["ours kda_decode_step_triton, streaming cache hints"] = (
+        lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
+                                                         scale=scale, stream=True))
     res = {name: [] for name in rows}
     for _ in range(5):   # interleaved rounds: the GPU's drift (±15 % between calls) lands on every row alike
         for name, fn in rows.items():
@@ -235,10 +240,48 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
             print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} |", flush=True)
 
 
-VARIANTS = {"defaults": {}, "key pieces of 32": dict(block_k=32), "no diagonal inverse": dict(diag_inverse=False),
-            "one stage": dict(stages=1), "w pieces of 16": dict(block_kw=16), "split": dict(split=True),
-            "state pass two stages": dict(state_stages=2), "32 state columns": dict(state_block=32),
-            "fp32 scratch and S_n": dict(scratch="fp32", states="fp32")}
+VARIANTS = {"defaults": {}, "key pieces of 32": dict(strips="v3", block_k=32),
+            "no diagonal inverse": dict(strips="v3", diag_inverse=False), "one stage": dict(stages=1),
+            "w pieces of 16": dict(block_kw=16), "split": dict(strips="v3", split=True),
+            "state pass two stages": dict(state_block=64, state_stages=2), "32 state columns": dict(state_block=32),
+            "fp32 scratch and S_n": dict(scratch="fp32", states="fp32"),
+            # the state pass: dots ("x2": S_n and U_n as two bf16 parts; "16": rounded to bf16), columns, warps, stages
+            "state-auto": dict(state_block="auto"),
+            "state-tf32-64c-4w-2s": dict(state_block=64, state_warps=4, state_stages=2),
+            "state-x2": dict(state_dots="x2", state_block=64),
+            "state-x2-64c-8w-2s": dict(state_dots="x2", state_block=64, state_warps=8, state_stages=2),
+            "state-x2-64c-4w-2s": dict(state_dots="x2", state_block=64, state_warps=4, state_stages=2),
+            "state-x2-32c-8w-2s": dict(state_dots="x2", state_block=32, state_warps=8, state_stages=2),
+            "state-x2-16c-8w-2s": dict(state_dots="x2", state_block=16, state_warps=8, state_stages=2),
+            "state-x2-16c-4w-2s": dict(state_dots="x2", state_block=16, state_warps=4, state_stages=2),
+            "state-x2-16c-8w-3s": dict(state_dots="x2", state_block=16, state_warps=8, state_stages=3),
+            "state-x2-32c-4w-2s": dict(state_dots="x2", state_block=32, state_warps=4, state_stages=2),
+            "state-x2-auto-8w-2s": dict(state_dots="x2", state_block="auto", state_warps=8, state_stages=2),
+            "state-tf32-16c-8w-2s": dict(state_block=16, state_warps=8, state_stages=2),
+            "state-bf16-32c-8w-2s": dict(state_dots="16", state_block=32, state_warps=8, state_stages=2),
+            "state-bf16-16c-8w-2s": dict(state_dots="16", state_block=16, state_warps=8, state_stages=2),
+            # the intra-chunk kernels: v3's strips apart ("split"), or v4's strips (one key block at a time)
+            "split-bk16": dict(strips="v3", split=True, block_k=16),
+            "split-bk32": dict(strips="v3", split=True, block_k=32),
+            "split-bk16-solve8w-kw64": dict(strips="v3", split=True, block_k=16, solve_warps=8, block_kw=64),
+            "v4": dict(strips="v4"), "v4-2w": dict(strips="v4", strip_warps=2),
+            "v4-bk64": dict(strips="v4", block_k4=64), "v4-bk128": dict(strips="v4", block_k4=128),
+            "v4-solve8w-kw64": dict(strips="v4", solve_warps=8, block_kw=64),
+            "v4-solve8w-kw32": dict(strips="v4", solve_warps=8),
+            "v4-solve8w-kw64-1s": dict(strips="v4", solve_warps=8, block_kw=64, stages=1),
+            "v4-ssplit": dict(strips="v4", solve_split=True, block_kw=64),
+            "v4-ssplit-8w": dict(strips="v4", solve_split=True, block_kw=64, solve_warps=8),
+            "v4-ssplit-kw32": dict(strips="v4", solve_split=True),
+            "v5-ssplit": dict(strips="v5", solve_split=True, block_kw=64),
+            "split-solve16": dict(strips="v3", split=True, solve_dots="16"),
+            "v4-ssplit-solve16": dict(strips="v4", solve_split=True, block_kw=64, solve_dots="16"),
+            "v4-rhs": dict(strips="v4", solve_rhs=True),
+            "v4-ssplit-rhs": dict(strips="v4", solve_split=True, block_kw=64, solve_rhs=True),
+            "v6": dict(strips="v6"), "v6-bk64": dict(strips="v6", block_k6=64),
+            "v6-2w": dict(strips="v6", strip_warps=2),
+            # the defaults before this round: v3's fused intra-chunk kernel, TF32 state pass in 64-column blocks
+            "previous": dict(strips="v3", state_block=64),
+            "v6-ssplit": dict(strips="v6", solve_split=True, block_kw=64)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
@@ -255,7 +298,7 @@ def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -
     launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
     row(f"{name}: its state pass (S_n, U_n)", "forward",
         lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
-                               states=states, block_v=kt.V3["state_block"], launch=launch))
+                               states=states, block_v=kt.V3["state_block"], launch=launch, dots=kt.V3["state_dots"]))
     o = torch.empty_like(x["v"])
     row(f"{name}: its output kernel", "forward", lambda: kt._output_pass(xs, states, o, x["q"].dtype))
 
@@ -278,9 +321,23 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
                     return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale)
             outs[name] = fwd()[0]
             row(name, "forward", fwd)
-            if "state" in variant or "scratch" in variant:
+            if "scratch" in variant:
                 continue
-            row(f"{name}: its intra-chunk kernel{'s' if kt.V3['split'] else ''}", "forward",
+            if not options:
+                kernel_rows(x, T, H, D, scale, row, name)
+                continue
+            if all(n.startswith("state_") for n in options):
+                xs = kt.kda_intra_triton(*args, scale=scale, scratch=torch.bfloat16)
+                states = torch.empty(H, -(-T // 64), D, D, dtype=torch.bfloat16, device=x["q"].device)
+                launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
+                row(f"{name}: its state pass (S_n, U_n)", "forward",
+                    lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
+                                           states=states, block_v=kt.V3["state_block"], launch=launch,
+                                           dots=kt.V3["state_dots"]))
+                del xs, states
+                continue
+            split = kt.V3["split"] or kt.V3["strips"] != "v3"
+            row(f"{name}: its intra-chunk kernel{'s' if split else ''}", "forward",
                 lambda: kt.kda_intra_triton(*args, scale=scale, scratch=torch.bfloat16))
         finally:
             kt.V3.clear()

@@ -4,6 +4,7 @@ tests/bench/kda.py).
 
     PYTHONPATH=. python tests/bench/kda_profile.py                   # ours (kda="triton"'s kernels) and fla's
     PYTHONPATH=. python tests/bench/kda_profile.py --no-fla --shape 65536x8   # ours only, another shape
+    PYTHONPATH=. python tests/bench/kda_profile.py --no-fla --forward-only --v3 strips=v4 state_dots=x2
 
 fla autotunes its kernels on the first call at a shape (a minute or more of device time); `--no-fla` skips it.
 """
@@ -11,6 +12,7 @@ fla autotunes its kernels on the first call at a shape (a minute or more of devi
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from pathlib import Path
 
@@ -31,7 +33,18 @@ def main():
     ap.add_argument("--shape", default="8192x96", help="TxH")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--forward-only", action="store_true", help="no forward+backward rows")
+    ap.add_argument("--v3", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="options of kda_triton.V3 for ours (values as Python literals: split=True block_k=16)")
     a = ap.parse_args()
+    for kv in a.v3:
+        key, value = kv.split("=", 1)
+        if key not in kt.V3:
+            ap.error(f"--v3 {kv}: {key} is not an option of kda_triton.V3 ({sorted(kt.V3)})")
+        try:
+            kt.V3[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kt.V3[key] = value   # a bare string: strips=v4
     T, H = (int(s) for s in a.shape.split("x"))
     x = inputs(T, H, 128, torch.device("cuda"))
     scale = 128 ** -0.5
@@ -44,7 +57,10 @@ def main():
         ours_fwd()
         kb.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], None, do, None, scale=scale)
 
-    runs = [("ours, forward", ours_fwd), ("ours, forward+backward", ours_fwd_bwd)]
+    tag = f", V3 {' '.join(a.v3)}" if a.v3 else ""
+    runs = [(f"ours{tag}, forward", ours_fwd)]
+    if not a.forward_only:
+        runs.append((f"ours{tag}, forward+backward", ours_fwd_bwd))
     if not a.no_fla:
         try:
             from fla.ops.kda import chunk_kda
@@ -66,7 +82,9 @@ def main():
                 with torch.no_grad():
                     fla_fwd()
 
-            runs += [("fla safe gate, forward", fla_fwd_only), ("fla safe gate, forward+backward", fla_fwd_bwd)]
+            runs += [("fla safe gate, forward", fla_fwd_only)]
+            if not a.forward_only:
+                runs.append(("fla safe gate, forward+backward", fla_fwd_bwd))
     for title, fn in runs:
         fn()
         fn()
