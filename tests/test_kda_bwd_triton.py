@@ -17,6 +17,7 @@ Tolerances (each gradient separately, loss Σ o·do + Σ S_N·dsN, ‖d − ref�
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from torch.library import opcheck
 
 from helpers import rel_err, resets
 from test_kda_triton import CASES, DEVICE, F64, FP32_TOL, GATES, _call, _f64, _inputs, _k3_inputs
@@ -25,6 +26,7 @@ from kimi.ops.registry import triton
 
 if triton is not None:
     from kimi.ops import kda_bwd_triton as kb
+    from kimi.ops import kda_triton as kt
 
 pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
 
@@ -88,23 +90,116 @@ def test_backward_matches_float64_recurrence(case, dtype):
     _check_grads(_grads(x, reset, do, dsN, 0.25), ref, x, FP32_TOL if dtype == torch.float32 else BWD_BF16_TOL)
 
 
-def test_backward_head_dim_128():
+@pytest.mark.parametrize("variant", ["recompute", "saved", "recompute, own reverse pass, auto columns, wide pairwise",
+                                     "saved, 16-column reverse blocks, bf16 dS, q~ dO on bf16",
+                                     "saved, state terms split, wide pairwise, auto columns, bf16 dS"])
+def test_backward_head_dim_128(variant, monkeypatch):
     """K = V = 128 in bf16 (eight key blocks, two value blocks per program), a document start inside the short
-    chunk."""
+    chunk; the scratch recomputed or the forward's (`kda_chunk_fwd_saving`), the reverse state pass's variants
+    (`REVERSE`), the wide pairwise sums (`PAIRWISE`) and the state's terms in their own launch (`STATE_TERMS`)."""
+    if "own" in variant:
+        monkeypatch.setitem(kb.REVERSE, "kernel", "own")
+    if "auto" in variant:
+        monkeypatch.setitem(kb.REVERSE, "block_v", "auto")
+    if "wide" in variant:
+        monkeypatch.setattr(kb, "PAIRWISE", "wide")
+    if "split" in variant:
+        monkeypatch.setitem(kb.STATE_TERMS, "split", True)
+    if "bf16 dS" in variant:
+        monkeypatch.setitem(kb.REVERSE, "dstates", "16")
+    if "16-column" in variant:
+        monkeypatch.setitem(kb.REVERSE, "block_v", 16)
+        monkeypatch.setitem(kb.REVERSE, "qd16", True)
     x = _inputs(1, 40, 1, 128, 128, "bounded", torch.bfloat16)
     reset = resets(1, 40, [[23]])
     do, dsN = _bwd_inputs(x, True)
     ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu(), 128 ** -0.5)
-    _check_grads(_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, BWD_BF16_TOL)
+    grads = _saved_grads if variant.startswith("saved") else _grads
+    _check_grads(grads(x, reset, do, dsN, 128 ** -0.5), ref, x, BWD_BF16_TOL)
+
+
+def _saved_grads(x, reset, do, dsN, scale, **kw):
+    """The backward from `kda_chunk_fwd_saving`'s scratch, whose forward is `kda_chunk_fwd_triton`'s exactly."""
+    inputs = [x[n] for n in GRADS] + [reset.to(DEVICE) if reset is not None else None]
+    o, sN, saved = kb.kda_chunk_fwd_saving(*inputs, scale=scale, **kw)
+    o_ref, sN_ref = kt.kda_chunk_fwd_triton(*inputs, scale=scale, **kw)
+    assert torch.equal(o, o_ref) and torch.equal(sN, sN_ref)
+    assert {n: (tuple(t.shape), t.dtype) for n, t in saved.items()} == kb.saved_layout(x["q"], x["v"], **kw)
+    return kb.kda_chunk_bwd_triton(*inputs[:-1], inputs[-1], do, dsN, scale=scale, saved=saved, **kw)
+
+
+@pytest.mark.parametrize("case, dtype, pairwise", [
+    ("bounded, resets inside and at a chunk edge", torch.bfloat16, "batched"),
+    ("documents in a row, near-zero / -5 gates", torch.float32, "wide")])
+def test_backward_from_forward_scratch(case, dtype, pairwise, monkeypatch):
+    """`saved`: the forward's bf16 w, q̃, k̃, S_n (fp32 for fp32 inputs) instead of the fp32 recompute, on two of
+    the forward cases (documents inside chunks and at their edges, with and without a final-state gradient), the
+    fp32 one with the wide pairwise sums, the bf16 one with the state's terms in their own launch."""
+    monkeypatch.setattr(kb, "PAIRWISE", pairwise)
+    monkeypatch.setitem(kb.STATE_TERMS, "split", True)
+    B, T, H, K, V, gate, pos, h0 = CASES[case]
+    x = _inputs(B, T, H, K, V, gate, dtype, h0)
+    reset = resets(B, T, pos)
+    do, dsN = _bwd_inputs(x, BWD_CASES[case])
+    ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu() if dsN is not None else None, 0.25)
+    tol = FP32_TOL if dtype == torch.float32 else BWD_BF16_TOL
+    _check_grads(_saved_grads(x, reset, do, dsN, 0.25), ref, x, tol)
+
+
+@pytest.mark.parametrize("T, K, V, chunk_size, gate", [(53, 40, 20, 32, "near zero"), (30, 24, 48, 16, "mixed")])
+def test_backward_variants_at_masked_widths(T, K, V, chunk_size, gate, monkeypatch):
+    """bf16 from the forward's scratch with every variant on (wide pairwise sums, the state's terms in their own
+    launch, the reverse pass's own kernel at "auto" columns with bf16 dS): key and value widths that leave masked
+    channels in a block, chunks of 32 and 16, documents at and inside sub-block edges (and chunks without one,
+    whose decay d_n carries dg a term)."""
+    monkeypatch.setattr(kb, "PAIRWISE", "wide")
+    monkeypatch.setitem(kb.STATE_TERMS, "split", True)
+    monkeypatch.setitem(kb.REVERSE, "block_v", "auto")
+    monkeypatch.setitem(kb.REVERSE, "dstates", "16")
+    x = _inputs(1, T, 2, K, V, gate, torch.bfloat16)
+    reset = resets(1, T, [[7, 16]])
+    do, dsN = _bwd_inputs(x, True)
+    ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu(), 0.25)
+    _check_grads(_saved_grads(x, reset, do, dsN, 0.25, chunk_size=chunk_size), ref, x, BWD_BF16_TOL)
+
+
+def test_op_keeps_the_forward_scratch_only_for_a_gradient(monkeypatch):
+    """`SAVE = "forward"` through `kimi::kda_triton`: eager and compiled (fullgraph, AOT autograd) gradients against
+    float64; a call under no_grad runs the plain forward; the private ops pass opcheck."""
+    monkeypatch.setattr(kb, "SAVE", "forward")
+    kept = []
+    saving = kb.kda_chunk_fwd_saving
+    monkeypatch.setattr(kb, "kda_chunk_fwd_saving", lambda *a, **kw: kept.append(1) or saving(*a, **kw))
+    x = _inputs(1, 40, 2, 16, 16, "bounded", torch.bfloat16)
+    reset = resets(1, 40, [[5, 32]])
+    do, dsN = _bwd_inputs(x, True)
+    ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu(), 0.25)
+    op = lambda *a: torch.ops.kimi.kda_triton(*a, reset.to(DEVICE), scale=0.25)
+    for fn in (op, torch.compile(op, fullgraph=True, backend="aot_eager_decomp_partition")):
+        leaves = [x[n].detach().clone().requires_grad_() for n in GRADS]
+        o, S = fn(*leaves)
+        torch.autograd.backward((o, S), (do, dsN))
+        _check_grads([t.grad for t in leaves], ref, x, BWD_BF16_TOL)
+    assert len(kept) == 2
+    with torch.no_grad():
+        op(*(x[n] for n in GRADS))
+    assert len(kept) == 2
+    args = [x[n].float() for n in GRADS] + [reset.to(DEVICE)]
+    o, S, saved = torch.ops.kimi._kda_triton_fwd(*args, scale=0.25, save=True)
+    assert [n for n in kb.SAVED] == list(kb.saved_layout(args[0], args[2])) and len(saved) == len(kb.SAVED)
+    opcheck(torch.ops.kimi._kda_triton_fwd.default, ([a.requires_grad_() for a in args[:-1]] + args[-1:]),
+            dict(scale=0.25, save=True))
+    opcheck(torch.ops.kimi._kda_triton_bwd_saved.default, (saved, *(a.detach() for a in args), do.float(), dsN),
+            dict(scale=0.25))
 
 
 @settings(max_examples=6, deadline=None)
 @given(data=st.data(), T=st.integers(1, 100), K=st.sampled_from([16, 24, 40]), V=st.sampled_from([16, 20, 48]),
        chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES), h0=st.booleans(),
-       with_dsN=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_backward_any_shape(data, T, K, V, chunk_size, gate, h0, with_dsN, seed):
+       with_dsN=st.booleans(), seed=st.integers(0, 2**31 - 1), pairwise=st.sampled_from(["batched", "wide"]))
+def test_backward_any_shape(data, T, K, V, chunk_size, gate, h0, with_dsN, seed, pairwise):
     """Drawn lengths (T not a multiple of the chunk), widths (a second, masked key or value block), chunk sizes,
-    gates, and document starts both at chunk and sub-block edges and anywhere, fp32."""
+    gates, and document starts both at chunk and sub-block edges and anywhere, fp32; either pairwise layout."""
     x = _inputs(1, T, 1, K, V, gate, h0=h0, seed=seed)
     edges = [t for t in range(0, T, 16)]
     pos = data.draw(st.lists(st.sampled_from(edges), max_size=2)) + data.draw(
@@ -112,7 +207,11 @@ def test_backward_any_shape(data, T, K, V, chunk_size, gate, h0, with_dsN, seed)
     reset = resets(1, T, [pos])
     do, dsN = _bwd_inputs(x, with_dsN, torch.Generator().manual_seed(seed))
     ref = _reference_grads(_f64(x), reset, do.cpu(), dsN.cpu() if dsN is not None else None, 0.25)
-    _check_grads(_grads(x, reset, do, dsN, 0.25, chunk_size=chunk_size), ref, x, FP32_TOL)
+    before, kb.PAIRWISE = kb.PAIRWISE, pairwise
+    try:
+        _check_grads(_grads(x, reset, do, dsN, 0.25, chunk_size=chunk_size), ref, x, FP32_TOL)
+    finally:
+        kb.PAIRWISE = before
 
 
 def test_backward_rejects_bad_gradients():

@@ -393,19 +393,42 @@ GATE_BOUND = -5.0
 (`linear_attn_config.gate_lower_bound`); their anchored intra-chunk exponentials reach e^{15·|g|}."""
 
 
-@torch.library.custom_op("kimi::kda_triton", mutates_args=())
+torch.library.define("kimi::kda_triton", "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+                     "Tensor? initial_state=None, Tensor? reset=None, *, float scale) -> (Tensor, Tensor)")
+
+
+@torch.library.impl("kimi::kda_triton", "CompositeImplicitAutograd")
 def kda_triton_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None,
                     reset: Tensor | None = None, *, scale: float) -> tuple[Tensor, Tensor]:
     """KDA's chunked forward as Triton kernels (`kda_triton.kda_chunk_fwd_triton`), the contract of `kda_recurrent`
-    for bounded gates (g ≥ `GATE_BOUND`): o [B, T, H, V] in v's dtype and the fp32 final state [B, H, K, V]."""
+    for bounded gates (g ≥ `GATE_BOUND`): o [B, T, H, V] in v's dtype and the fp32 final state [B, H, K, V].
+    Differentiable through `kimi::_kda_triton_fwd`, which keeps the forward's scratch for the backward when
+    `kda_bwd_triton.SAVE` is "forward" and a gradient will be taken (not under no_grad, nor for inputs that need
+    none)."""
+    save = (kda_bwd_triton.SAVE == "forward" and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)))
+    o, sN, _ = kda_triton_fwd(q, k, v, g, beta, initial_state, reset, scale=scale, save=save)
+    return o, sN
+
+
+@torch.library.custom_op("kimi::_kda_triton_fwd", mutates_args=())
+def kda_triton_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                   reset: Tensor | None, *, scale: float, save: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """`kimi::kda_triton`'s differentiable forward: (o, final state, scratch), the scratch `kda_bwd_triton.SAVED`
+    when `save` (`kda_chunk_fwd_saving`), else none (`kda_chunk_fwd_triton`; the backward recomputes)."""
     s0 = initial_state.float() if initial_state is not None else None
-    return kda_triton.kda_chunk_fwd_triton(q, k, v, g, beta, s0, reset, scale=scale)
+    if not save:
+        return (*kda_triton.kda_chunk_fwd_triton(q, k, v, g, beta, s0, reset, scale=scale), [])
+    o, sN, saved = kda_bwd_triton.kda_chunk_fwd_saving(q, k, v, g, beta, s0, reset, scale=scale)
+    return o, sN, [saved[n] for n in kda_bwd_triton.SAVED]
 
 
-@kda_triton_core.register_fake
-def _(q, k, v, g, beta, initial_state=None, reset=None, *, scale):
+@kda_triton_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, reset, *, scale, save):
     B, T, H, K = q.shape
-    return v.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
+    layout = kda_bwd_triton.saved_layout(q, v).values() if save else ()
+    return (v.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32),
+            [q.new_empty(shape, dtype=dtype) for shape, dtype in layout])
 
 
 @torch.library.custom_op("kimi::kda_triton_bwd", mutates_args=())
@@ -415,11 +438,7 @@ def kda_triton_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     """Gradients of `kimi::kda_triton` (`kda_bwd_triton.kda_chunk_bwd_triton`: the intra-chunk scratch and the
     states recomputed, a reverse state pass, chunk-parallel kernels for the value and the key side), each in its
     input's dtype; the initial state's gradient is zeros when there was none."""
-    s0 = initial_state.float() if initial_state is not None else None
-    grads = kda_bwd_triton.kda_chunk_bwd_triton(q, k, v, g, beta, s0, reset, do, ds.float(), scale=scale)
-    dh0 = grads[5] if grads[5] is not None else q.new_zeros(ds.shape, dtype=torch.float32)
-    like = (q, k, v, g, beta, initial_state if initial_state is not None else dh0)
-    return tuple(d.to(t.dtype).contiguous() for d, t in zip((*grads[:5], dh0), like))
+    return _triton_grads(q, k, v, g, beta, initial_state, reset, do, ds, scale, None)
 
 
 @kda_triton_bwd.register_fake
@@ -428,21 +447,51 @@ def _(q, k, v, g, beta, initial_state, reset, do, ds, *, scale):
     return (*(t.new_empty(t.shape) for t in (q, k, v, g, beta)), q.new_empty(ds.shape, dtype=s_dtype))
 
 
+@torch.library.custom_op("kimi::_kda_triton_bwd_saved", mutates_args=())
+def kda_triton_bwd_saved(saved: list[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                         initial_state: Tensor | None, reset: Tensor | None, do: Tensor, ds: Tensor, *,
+                         scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`kimi::kda_triton_bwd` from the forward's scratch (`kimi::_kda_triton_fwd` with save)."""
+    return _triton_grads(q, k, v, g, beta, initial_state, reset, do, ds, scale,
+                         dict(zip(kda_bwd_triton.SAVED, saved)))
+
+
+@kda_triton_bwd_saved.register_fake
+def _(saved, q, k, v, g, beta, initial_state, reset, do, ds, *, scale):
+    s_dtype = initial_state.dtype if initial_state is not None else torch.float32
+    return (*(t.new_empty(t.shape) for t in (q, k, v, g, beta)), q.new_empty(ds.shape, dtype=s_dtype))
+
+
+def _triton_grads(q, k, v, g, beta, initial_state, reset, do, ds, scale, saved):
+    s0 = initial_state.float() if initial_state is not None else None
+    grads = kda_bwd_triton.kda_chunk_bwd_triton(q, k, v, g, beta, s0, reset, do, ds.float(), scale=scale,
+                                                saved=saved)
+    dh0 = grads[5] if grads[5] is not None else q.new_zeros(ds.shape, dtype=torch.float32)
+    like = (q, k, v, g, beta, initial_state if initial_state is not None else dh0)
+    return tuple(d.to(t.dtype).contiguous() for d, t in zip((*grads[:5], dh0), like))
+
+
 def _triton_setup(ctx, inputs, keyword_only_inputs, output):
     q, k, v, g, beta, s0, reset = inputs
-    ctx.save_for_backward(q, k, v, g, beta, s0, reset)
+    saved = output[2]
+    ctx.mark_non_differentiable(*saved)
+    ctx.save_for_backward(q, k, v, g, beta, s0, reset, *saved)
     ctx.scale, ctx.has_s0 = keyword_only_inputs["scale"], s0 is not None
 
 
-def _triton_backward(ctx, do, ds):
-    q, k, v, g, beta, s0, reset = ctx.saved_tensors
+def _triton_backward(ctx, do, ds, _):
+    q, k, v, g, beta, s0, reset, *saved = ctx.saved_tensors
     if ds is None:
         ds = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], dtype=torch.float32)
-    grads = kda_triton_bwd(q, k, v, g, beta, s0, reset, do.contiguous(), ds.contiguous(), scale=ctx.scale)
+    tensors = (q, k, v, g, beta, s0, reset, do.contiguous(), ds.contiguous())
+    if saved:
+        grads = kda_triton_bwd_saved(saved, *tensors, scale=ctx.scale)
+    else:
+        grads = kda_triton_bwd(*tensors, scale=ctx.scale)
     return (*grads[:5], grads[5] if ctx.has_s0 else None, None)
 
 
-kda_triton_core.register_autograd(_triton_backward, setup_context=_triton_setup)
+kda_triton_fwd.register_autograd(_triton_backward, setup_context=_triton_setup)
 
 
 @torch.library.custom_op("kimi::kda_decode_step", mutates_args=("q_tail", "k_tail", "v_tail", "state"))

@@ -1,20 +1,25 @@
-"""The chunked KDA backward (`kda_bwd_triton.kda_chunk_bwd_triton`) and its launch variants, and fla's `chunk_kda`
-with `--fla`.
+"""The chunked KDA backward (`kda_bwd_triton.kda_chunk_bwd_triton`) and its variants side by side, and fla's
+`chunk_kda` with `--fla`.
 
     PYTHONPATH=. python tests/bench/kda_bwd.py                  # H200: B = 1, T = 8192, H = 96, K = V = 128
+    PYTHONPATH=. python tests/bench/kda_bwd.py --quick --shape 32768x32 --variants '^saved$|pairwise'
     PYTHONPATH=. python tests/bench/kda_bwd.py --fla            # with fla's safe-gate chunk_kda (autotunes minutes)
 
 Inputs are tests/bench/kda.py's (bf16 q, k, v; fp32 bounded gates in [-5, 0], beta and initial state), the final
-state returned and its gradient absent (the layer's case). Rows: each backward alone and after the forward: the
-default, the state passes the other way (`kda_bwd_triton.OVERLAP`) and the dq/dk/dg kernel at 8 warps; time is the
-median of `--iters` calls after two warm-ups, peak the memory allocated during the call above what was allocated
-before (kda.py's `measure`). Then each variant's gradients against the default's, and (without `--quick`) each
-backward's kernels per call (CUDA profiler).
+state returned and its gradient absent (the layer's case). Rows (`VARIANTS`, `--variants` keeps those whose name
+the expression matches): each backward alone and after its forward, the default (recomputing the forward's
+scratch) against the backward from the forward's scratch (`saved`: `kda_chunk_fwd_saving` and
+`kda_chunk_bwd_triton(saved=...)`, as `kda_bwd_triton.SAVE = "forward"` runs it) with the reverse state pass's
+options (`REVERSE`); time is the median of `--iters` calls after two warm-ups, peak the memory allocated during
+the call above what was allocated before (kda.py's `measure`; with `saved` the backward's row starts with the
+scratch allocated, the forward+backward row counts it). Then each variant's gradients against the default's, and
+(without `--quick`) each backward's kernels per call (CUDA profiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -30,6 +35,67 @@ from kimi.ops import kda_bwd_triton as kb  # noqa: E402
 from kimi.ops import kda_triton as kt  # noqa: E402
 
 
+VARIANTS = {   # name: the backward's scratch ("saved": the forward's), `kda_bwd_triton.REVERSE` overrides,
+    #             `PAIRWISE`, `dqkg_config` and `STATE_TERMS` overrides
+    "default": dict(),
+    "recompute, own reverse pass": dict(reverse=dict(kernel="own")),
+    "saved": dict(saved=True),
+    "saved, reverse 64 columns": dict(saved=True, reverse=dict(block_v=64)),
+    "saved, reverse 16 columns": dict(saved=True, reverse=dict(block_v=16)),
+    "saved, reverse auto columns": dict(saved=True, reverse=dict(block_v="auto")),
+    "saved, reverse 2 stages": dict(saved=True, reverse=dict(num_stages=2)),
+    "saved, reverse bf16 dS": dict(saved=True, reverse=dict(dstates="16")),
+    "saved, reverse q~ dO on bf16 operands": dict(saved=True, reverse=dict(qd16=True)),
+    "saved, wide pairwise": dict(saved=True, pairwise="wide"),
+    "saved, wide pairwise, 8 warps": dict(saved=True, pairwise="wide", dqkg=dict(num_warps=8)),
+    "saved, wide pairwise, reverse auto columns": dict(saved=True, pairwise="wide", reverse=dict(block_v="auto")),
+    "saved, wide pairwise, reverse auto columns, bf16 dS": dict(saved=True, pairwise="wide",
+                                                                reverse=dict(block_v="auto", dstates="16")),
+    "saved, split state terms": dict(saved=True, state=dict(split=True)),
+    "saved, split state terms, wide pairwise": dict(saved=True, pairwise="wide", state=dict(split=True)),
+    "saved, split state terms (32 key channels, 4 warps), wide pairwise": dict(
+        saved=True, pairwise="wide", state=dict(split=True, block_k=32, num_warps=4)),
+    "saved, split state terms, wide pairwise, reverse auto columns, bf16 dS": dict(
+        saved=True, pairwise="wide", state=dict(split=True), reverse=dict(block_v="auto", dstates="16")),
+}
+
+
+def _variant(args, do, scale, saved=False, reverse=None, pairwise=None, dqkg=None, state=None):
+    """(the backward alone, forward and backward) of one `VARIANTS` row; with `saved` the backward alone takes one
+    forward's scratch, made here."""
+    def options(fn):
+        def run():
+            before, pair, config, terms = dict(kb.REVERSE), kb.PAIRWISE, kb.dqkg_config, dict(kb.STATE_TERMS)
+            kb.REVERSE.update(reverse or {})
+            kb.STATE_TERMS.update(state or {})
+            kb.PAIRWISE = pairwise or pair
+            if dqkg is not None:
+                kb.dqkg_config = lambda *a, **k: {**config(*a, **k), **dqkg}
+            try:
+                return fn()
+            finally:
+                kb.REVERSE.clear()
+                kb.REVERSE.update(before)
+                kb.STATE_TERMS.clear()
+                kb.STATE_TERMS.update(terms)
+                kb.PAIRWISE, kb.dqkg_config = pair, config
+        return run
+    if not saved:
+        bwd = options(lambda: kb.kda_chunk_bwd_triton(*args, None, do, None, scale=scale))
+        return bwd, lambda: (kt.kda_chunk_fwd_triton(*args, scale=scale), bwd())
+    scratch = {}
+
+    def bwd_alone():
+        if not scratch:
+            scratch.update(kb.kda_chunk_fwd_saving(*args, scale=scale)[2])
+        return kb.kda_chunk_bwd_triton(*args, None, do, None, scale=scale, saved=scratch)
+
+    def fwd_bwd():
+        kept = kb.kda_chunk_fwd_saving(*args, scale=scale)[2]
+        return kb.kda_chunk_bwd_triton(*args, None, do, None, scale=scale, saved=kept)
+    return options(bwd_alone), options(fwd_bwd)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8192x96", help="TxH")
@@ -37,34 +103,23 @@ def main():
     ap.add_argument("--fla", action="store_true", help="also fla's chunk_kda (safe gate), forward+backward")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="no per-kernel profile")
+    ap.add_argument("--variants", default="", help="a regular expression: the rows whose names it matches (and the "
+                    "default)")
     a = ap.parse_args()
     T, H = (int(s) for s in a.shape.split("x"))
     x = inputs(T, H, 128, torch.device("cuda"))
     scale = 128 ** -0.5
     do = torch.randn_like(x["v"])
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
-    backwards = {"default": lambda: kb.kda_chunk_bwd_triton(*args, None, do, None, scale=scale)}
-
-    def variant(overlap=kb.OVERLAP, dqkg=None):
-        def run():
-            before, config = kb.OVERLAP, kb.dqkg_config
-            kb.OVERLAP = overlap
-            if dqkg is not None:
-                kb.dqkg_config = lambda *a, **k: {**config(*a, **k), **dqkg}
-            try:
-                return kb.kda_chunk_bwd_triton(*args, None, do, None, scale=scale)
-            finally:
-                kb.OVERLAP, kb.dqkg_config = before, config
-        return run
-    backwards[f"state passes {'in turn' if kb.OVERLAP else 'on two streams'}"] = variant(overlap=not kb.OVERLAP)
-    backwards["dq/dk/dg at 8 warps, 64 value columns"] = variant(dqkg=dict(num_warps=8, BV=64))
-
-    def fwd():
-        kt.kda_chunk_fwd_triton(*args, scale=scale)
+    variants = {name: v for name, v in VARIANTS.items()
+                if name == "default" or re.search(a.variants, name)}
+    backwards, forwards = {}, {}
+    for name, v in variants.items():
+        backwards[name], forwards[name] = _variant(args, do, scale, **v)
 
     print(f"KDA backward, B = 1, T = {T:,}, H = {H}, K = V = 128, bf16\n| backward | pass | ms | peak GiB |\n"
           "|---|---|---|---|", flush=True)
-    ms, peak = measure(fwd, a.iters)
+    ms, peak = measure(lambda: kt.kda_chunk_fwd_triton(*args, scale=scale), a.iters)
     print(f"| (the forward) | forward | {ms:.2f} | {peak:.2f} |", flush=True)
     for name, bwd in list(backwards.items()):
         try:
@@ -74,7 +129,7 @@ def main():
             del backwards[name]
             continue
         print(f"| {name} | backward | {ms:.2f} | {peak:.2f} |", flush=True)
-        ms, peak = measure(lambda bwd=bwd: (fwd(), bwd()), a.iters)
+        ms, peak = measure(forwards[name], a.iters)
         print(f"| {name} | forward+backward | {ms:.2f} | {peak:.2f} |", flush=True)
     if a.fla:
         from fla.ops.kda import chunk_kda

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -75,17 +76,17 @@ T, H, K, D, DV = 8192, 96, 2048, 576, 512
 def indexer():
     c = it.launch_config(1, T, T, 64, 128, K, causal=True, sms=132, interpret=False)
     ptrs = dict(q_ptr=BF, k_ptr=BF, w_ptr=F32, lo_ptr=I64, hi_ptr=I64, out_ptr=I32, bk_ptr=I32, bp_ptr=I32,
-                bn_ptr=I32)
+                bn_ptr=I32, next_ptr=I32)
     cap = it._capacity(K, c.block_k, T, c.capacity)
     scalars = dict(B=1, T=T, S=T, H=64, D=128, K=K, NTB=T // c.block_q, NSPLIT=1, SPLIT=T, CAP=cap,
                    SLACK=it._slack(cap, K, c.block_k))
-    for v in (c._replace(histogram=False, scan_counts=False), c._replace(scan_counts=False), c,
-              c._replace(histogram_compactions=True, move_stages=3)):
-        consts = dict(BM=v.block_q, BN=v.block_k, HP=64, DP=128, CH=v.chunk, NB=v.histogram_bins,
-                      HIST=v.histogram, HIST_COMPACT=v.histogram_compactions, CAUSAL=True, SPLIT_OUT=False,
-                      MS=v.move_stages, SCAN_COUNT=v.scan_counts, PREC=None, UPCAST=False, PAD_HEADS=False)
-        yield f"indexer {v}", report(it._indexer_stream_kernel, ptrs, scalars, consts, num_warps=c.num_warps,
-                                     num_stages=c.num_stages)
+    one_dot = c._replace(halves=False, order="cyclic", num_stages=2)       # the launch before `halves`
+    for v in (one_dot._replace(histogram=False, scan_counts=False), one_dot, c, one_dot._replace(num_warps=8),
+              one_dot._replace(num_warps=8, num_stages=3, overlap=True)):
+        flags = it._stream_flags(v, 64, 128, None, False, False)
+        opts = {o: flags.pop(o) for o in ("num_warps", "num_stages", "maxnreg") if o in flags}
+        consts = dict(flags, CAUSAL=True, SPLIT_OUT=False, ORDER=it.TASK_ORDERS[v.order])
+        yield f"indexer {v}", report(it._indexer_stream_kernel, ptrs, scalars, consts, **opts)
 
 
 def sparse_fwd():
@@ -104,8 +105,19 @@ def _bwd():
     return sm.bwd_config(1, T, H, K, D, DV, torch.device("cpu"))
 
 
-def sparse_dq():
+def _bwd_dq_path():
+    """The default launch, or where it runs `_bwd_pds_kernel` and the dq GEMM (reported by sparse-dkv), the tiles
+    the dq kernels and the dlatent GEMM had as the default before."""
+    import dataclasses
     cfg = _bwd()
+    if cfg.pds_all_heads:
+        cfg = dataclasses.replace(cfg, block_k=64, num_warps=4, num_stages=2, pds_all_heads=False, gemm_dq=False,
+                                  gemm_block_k=128, dkv_num_warps=None, dkv_num_stages=None)
+    return cfg
+
+
+def sparse_dq():
+    cfg = _bwd_dq_path()
     ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, o_ptr=BF, lse_ptr=F32, do_ptr=BF, dlse_ptr=F32, dq_ptr=BF,
                 delta_ptr=F32, dlat_ptr=F32, pds_ptr=BF)
     scalars = dict(row0=0, T=T, S=T, H=H, K=K, D=D, DV=DV, h_start=0, NT=len(cfg.heads), scale=0.1, scale2=0.1)
@@ -115,10 +127,14 @@ def sparse_dq():
     kernel = sm._bwd_dq_kernel_sm if cfg.slot_major else sm._bwd_dq_kernel
     yield f"sparse dq {cfg}", report(kernel, ptrs, scalars, consts, num_warps=cfg.num_warps,
                                      num_stages=cfg.num_stages)
+    # `gemm_dq`: the same kernel storing ds and p only (dq from the GEMM); 32-head tiles, and the 64 of 64 + 32
+    for bh, st in ((32, cfg.num_stages), (64, 1)):
+        yield f"sparse ds, p only (gemm_dq), {bh} heads, {st} stages", report(
+            kernel, ptrs, scalars, dict(consts, BH=bh, PDS=True, DQ=False), num_warps=cfg.num_warps, num_stages=st)
 
 
 def sparse_dkv():
-    cfg = _bwd()
+    cfg = _bwd_dq_path()
     ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, lse_ptr=F32, do_ptr=BF, delta_ptr=F32, out_ptr=F32)
     scalars = dict(row0=0, NKB=K // cfg.dkv_block_k, T=T, S=T, H=H, K=K, D=D, DV=DV, scale=0.1, scale2=0.1)
     consts = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DV, DTP=64, ATOMIC=True, F32=False)
@@ -141,6 +157,30 @@ def sparse_dkv():
                       ATOMIC=True, F32=False)
         yield f"sparse dlatent GEMM walking the columns{' + dq atomics' if dq else ''}", report(
             sm._bwd_dkv_gemm_cols_kernel, ptrs, scalars, consts, **warps)
+    # `gemm_dq`: a column block walking the slots, dlatent and dq from ds, p (the dq kernel without its dq: DQ=False)
+    ptrs = dict(pds_ptr=BF, q_ptr=BF, do_ptr=BF, lat_ptr=BF, idx_ptr=I32, out_ptr=F32, dq_ptr=BF)
+    ha, hb = sm._head_groups(H)
+    for bk, bn, ns, w, st, dlat in ((64, 64, 1, 4, 2, True), (64, 128, 1, 8, 2, True), (64, 64, 1, 4, 2, False),
+                                    (64, 64, 3, 4, 2, False)):
+        scalars = dict(row0=0, NCB=-(-D // (bn * ns)), T=T, S=T, H=H, K=K, D=D, DV=DV)
+        consts = dict(BK=bk, BN=bn, NSUB=ns, HA=ha, HB=hb, IB=256, DLAT=dlat, ATOMIC=True, F32=False)
+        yield f"sparse {'dlatent + ' if dlat else ''}dq GEMM, {bk} slots x {ns} x {bn} columns, {w} warps", report(
+            sm._bwd_dkv_dq_gemm_kernel, ptrs, scalars, consts, num_warps=w, num_stages=st)
+    # `pds_all_heads`: ds and p of all heads of a query, the columns streamed (`pds_dlat`: dlatent there too)
+    ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, o_ptr=BF, lse_ptr=F32, do_ptr=BF, dlse_ptr=F32, pds_ptr=BF,
+                out_ptr=F32)
+    scalars = dict(row0=0, T=T, S=T, H=H, K=K, D=D, DV=DV, scale=0.1, scale2=0.1)
+    for bk, w, st, dlat, one in ((128, 8, 3, False, False), (128, 8, 3, True, False), (128, 8, 3, True, True),
+                                 (128, 8, 4, True, True)):
+        consts = dict(BK=bk, BC=64, HA=ha, HB=hb, IB=256, HAS_DLSE=False, DLAT=dlat, BN=64, ONE_LOOP=one, ATOMIC=True,
+                      F32=False)
+        yield (f"sparse ds, p{' + dlatent' if dlat else ''} of all heads, {bk} slots, {w} warps, {st} stages"
+               f"{', one loop' if one else ''}", report(sm._bwd_pds_kernel, ptrs, scalars, consts, num_warps=w,
+                                                      num_stages=st))
+    for bc, st in ((64, 3), (32, 4)):       # `pds_skewed`
+        consts = dict(BK=128, BC=bc, HA=ha, HB=hb, IB=256, HAS_DLSE=False, ATOMIC=True, F32=False)
+        yield f"sparse ds, p + dlatent skewed, 128 slots, {bc} columns, 8 warps, {st} stages", report(
+            sm._bwd_pds_skewed_kernel, ptrs, scalars, consts, num_warps=8, num_stages=st)
 
 
 KDA_N, KDA_C, KDA_D = T // 64, 64, 128     # K3's chunked KDA: chunks of 64, K = V = 128
@@ -166,12 +206,16 @@ def _kda_intra(name, sc, inverse):
 
 
 def _kda_state(name, sc, block_v):
-    """`_state_kernel` for `name` inputs storing S_n and U_n, w / k~ / S_n in `sc`, `block_v` state columns."""
+    """`_state_kernel` for `name` inputs storing S_n and U_n, w / k~ / S_n in `sc`, `block_v` state columns ("auto":
+    `kt._auto_state`'s launch and dots at H = 96)."""
     prec, common = _kda_prec(name)
-    c = kt.state_config(KDA_D, KDA_D, ieee=name == "fp32", block_v=block_v)
+    launch = {}
+    if block_v == "auto":
+        block_v, launch, prec["STATE"] = kt._auto_state(H, KDA_D, torch.device("cpu"))
+    c = {**kt.state_config(KDA_D, KDA_D, ieee=name == "fp32", block_v=block_v), **launch}
     ptrs = dict(w_ptr=sc, u_ptr=F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=sc)
     consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, STORE=True, STATE=prec["STATE"], **common)
-    return f"kda state pass (S_n, U_n) {name}, w/k~/S_n {sc[1:]} {c}", report(
+    return f"kda state pass (S_n, U_n) {name}, w/k~/S_n {sc[1:]} {c} dots {prec['STATE']}", report(
         kt._state_kernel, ptrs, dict(K=KDA_D, V=KDA_D, N=KDA_N), consts, num_warps=c["num_warps"],
         num_stages=c["num_stages"])
 
@@ -193,10 +237,12 @@ def kda_fwd():
             kt._strips3_kernel, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
             dict(BK=c["BK"], DIAG=True, PAIR=prec["PAIR"], **blocks), num_warps=4, num_stages=c["num_stages"])
         ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc, u_ptr=F32,
-                    qd_ptr=sc, kd_ptr=sc, d_ptr=F32, M_ptr=F32)
+                    qd_ptr=sc, kd_ptr=sc, d_ptr=F32, M_ptr=F32, r_ptr=F32)
         yield f"kda solve {name}, scratch {sc[1:]} BK={c['BKW']} BV={c['BV']} warps={c['num_warps']}", report(
             kt._solve3_kernel, ptrs, scalars, dict(BK=c["BKW"], BV=c["BV"], LOG_BC=4, LEVELS=6, INVERSE=False,
-                                                   **blocks), num_warps=c["num_warps"], num_stages=c["num_stages"])
+                                                   QKD=True, SPLIT=False, RHS=False, **blocks),
+                                                   num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
         yield _kda_state(name, sc, kt.V3["state_block"] if name == "bf16" else None)
         c = kt.output_config(KD, KD, ieee=name == "fp32")
         yield f"kda output {name}, q~/S_n {sc[1:]} {c}", report(
@@ -233,15 +279,107 @@ def kda_bwd():
         c = kb.dqkg_config(C, KD, KD, ieee=name == "fp32")
         ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, h_ptr=F32,
                     dh_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair, dL_ptr=pair, dAd_ptr=F32, dq_ptr=x, dk_ptr=x,
-                    dg_ptr=F32, dbk_ptr=F32)
-        consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, **prec, **common)
+                    dg_ptr=F32, dbk_ptr=F32, dqs_ptr=x, dks_ptr=x, dgs_ptr=F32)
+        consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, WIDE=False, SPLIT=False, **prec,
+                      **common)
         yield f"kda bwd dq/dk/dg {name} {c}", report(kb._bwd_dqkg_kernel, ptrs,
                                                      dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
                                                      num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
+def kda_fwd_v4():
+    """The forward's candidate kernels (`kt.V3` options) at K = V = 128, C = 64: `_strips4_kernel` / `_strips5_kernel`
+    ("strips": "v4" / "v5", bf16 and fp32), the solve after it (no q~ / k~ / d), "v6" (`_gamma_kernel`,
+    `_strips6_kernel`, the solve reading Γ), the state pass with "x2" / "16" dots by columns, warps and stages."""
+    N, C, KD = KDA_N, KDA_C, KDA_D
+    scalars = dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1)
+    for name in ("bf16", "fp32"):
+        x = BF if name == "bf16" else F32
+        prec, common = _kda_prec(name)
+        blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
+        bk, warps = (kt.V3["block_k4"], kt.V3["strip_warps"]) if name == "bf16" else (16, 4)
+        sp = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, qd_ptr=x, kd_ptr=x, A_ptr=F32, M_ptr=F32,
+                  d_ptr=F32, r_ptr=F32)
+        for fn, w in ((kt._strips4_kernel, warps), (kt._strips5_kernel, warps if name == "bf16" else 8)):
+            yield f"kda {fn.__name__} {name} BK={bk} warps={w}", report(
+                fn, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
+                dict(BK=bk, PAIR=prec["PAIR"], RHS=False, **blocks), num_warps=w, num_stages=1)
+        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=x, u_ptr=F32,
+                    qd_ptr=x, kd_ptr=x, d_ptr=F32, M_ptr=F32, r_ptr=F32)
+        for bkw, warps, rhs in ((32, 4, False), (64, 4, False), (64, 8, False), (64, 4, True)) if name == "bf16" else (
+                (16, 8, False),):
+            yield f"kda v4 solve by pieces {name} BK={bkw} warps={warps}{' rhs read' if rhs else ''}", report(
+                kt._solve3_kernel, ptrs, scalars, dict(BK=bkw, BV=64, LOG_BC=4, LEVELS=6, INVERSE=False, QKD=False,
+                                                       SPLIT=True, RHS=rhs, **blocks), num_warps=warps, num_stages=2)
+    prec, common = _kda_prec("bf16")
+    blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
+    yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
+                                                    dict(T=T, H=H, K=KD, N=N), dict(C=C, BK=64), num_warps=4)
+    for bk in (32, 64):
+        yield f"kda _strips6_kernel bf16 BK={bk} warps=4", report(
+            kt._strips6_kernel, dict(q_ptr=BF, k_ptr=BF, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=F32, M_ptr=F32),
+            {n: scalars[n] for n in ("T", "H", "K", "N", "scale")}, dict(BK=bk, PAIR=prec["PAIR"], **blocks),
+            num_warps=4, num_stages=2)
+    ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=BF, u_ptr=F32, qd_ptr=BF,
+                kd_ptr=BF, d_ptr=F32, M_ptr=F32, r_ptr=F32)
+    yield "kda v6 solve bf16 BK=32 warps=4 (Γ read)", report(
+        kt._solve3_kernel, ptrs, scalars, dict(BK=32, BV=64, LOG_BC=4, LEVELS=6, INVERSE=False, QKD=True, SPLIT=False,
+                                               RHS=2, **blocks), num_warps=4, num_stages=2)
+    for dots, bv, warps, stages in (("x2", 16, 8, 2), ("x2", 32, 8, 2), ("x2", 64, 8, 2), ("16", 16, 8, 2)):
+        yield f"kda state pass bf16, dots {dots}, {bv} columns, {warps} warps, {stages} stages", report(
+            kt._state_kernel, dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=BF),
+            dict(K=KD, V=KD, N=N), dict(C=C, BK=KD, BV=bv, S0=1, HAS_U=True, STORE=True, STATE=dots, **common),
+            num_warps=warps, num_stages=stages)
+
+
+def kda_bwd_saved():
+    """The KDA backward's candidates from the forward's scratch (`kb.SAVE = "forward"`) at K = V = 128, C = 64:
+    `_state_bwd2_kernel` on bf16 q~ / k~ / w (`kb.REVERSE`'s columns, warps, stages, q~ dO on bf16, bf16 dS), and
+    `_bwd_dqkg_kernel` on bf16 S_n, batched and wide (`kb.PAIRWISE`) by key channels and warps, with the state's
+    terms inside or split off (`kb.STATE_TERMS`, `_bwd_state_kernel`); bf16 and fp32."""
+    N, C, KD = KDA_N, KDA_C, KDA_D
+    prec, common = _kda_prec("bf16")
+    for bv, warps, stages, qd16, dh in ((32, 4, 1, False, F32), (32, 4, 1, True, F32), (64, 4, 1, False, F32),
+                                        (64, 8, 1, False, F32), (64, 8, 1, True, F32), (16, 4, 1, False, F32),
+                                        (32, 4, 2, False, F32), (64, 8, 1, False, BF)):
+        ptrs = dict(qd_ptr=BF, kd_ptr=BF, w_ptr=BF, A_ptr=F32, d_ptr=F32, do_ptr=BF, dsN_ptr=F32, dh_ptr=dh,
+                    dU_ptr=F32, dh0_ptr=F32)
+        consts = dict(C=C, BK=KD, BV=bv, HAS_DSN=True, HAS_DH0=True, QD16=qd16, STATE=prec["STATE"], **common)
+        yield (f"kda reverse state pass (own) bf16, {bv} columns, {warps} warps, {stages} stages, q~ dO "
+               f"{'bf16' if qd16 else 'tf32'}, dS {dh[1:]}"), report(
+            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=warps,
+            num_stages=stages)
+    for name in ("bf16", "fp32"):
+        x = BF if name == "bf16" else F32
+        prec, common = _kda_prec(name)
+        pair = BF if prec["PAIR"] == "16" else F32
+        c = kb.dqkg_config(C, KD, KD, ieee=name == "fp32")
+        ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, h_ptr=x,
+                    dh_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair, dL_ptr=pair, dAd_ptr=F32, dq_ptr=x, dk_ptr=x,
+                    dg_ptr=F32, dbk_ptr=F32, dqs_ptr=F32, dks_ptr=F32, dgs_ptr=F32)
+        for wide, split, bk, warps in ((False, False, 16, c["num_warps"]), (True, False, 16, c["num_warps"]),
+                                       (True, False, 16, 8), (True, False, 32, 8), (False, True, 16, 4),
+                                       (True, True, 16, 4)):
+            if split and name == "fp32":
+                continue
+            consts = dict(C=C, BC=kt.SUB_CHUNK, BK=bk, BV=c["BV"], HAS_RESET=True, WIDE=wide, SPLIT=split, **prec,
+                          **common)
+            yield (f"kda bwd dq/dk/dg {name}, {'wide' if wide else 'batched'}{', state terms split' if split else ''}"
+                   f", BK={bk}, {warps} warps"), report(
+                kb._bwd_dqkg_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts, num_warps=warps,
+                num_stages=1)
+    prec, common = _kda_prec("bf16")
+    ptrs = dict(q_ptr=BF, k_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, h_ptr=BF,
+                dh_ptr=F32, dU_ptr=F32, do_ptr=BF, dqs_ptr=F32, dks_ptr=F32, dgs_ptr=F32, dbs_ptr=F32)
+    for bk, bv, warps in ((64, 64, 8), (32, 64, 4)):
+        consts = dict(C=C, BK=bk, BV=bv, HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], **common)
+        yield f"kda bwd state terms (`_bwd_state_kernel`) bf16, BK={bk}, BV={bv}, {warps} warps", report(
+            kb._bwd_state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts, num_warps=warps,
+            num_stages=1)
+
+
 KERNELS = {"indexer": indexer, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv,
-           "kda-fwd": kda_fwd, "kda-bwd": kda_bwd}
+           "kda-fwd": kda_fwd, "kda-fwd-v4": kda_fwd_v4, "kda-bwd": kda_bwd, "kda-bwd-saved": kda_bwd_saved}
 
 
 def main():
