@@ -113,11 +113,11 @@ def test_forward_matches_float64_recurrence(case, dtype):
 
 
 @pytest.mark.parametrize("case", ["documents in a row, near-zero / -5 gates", "saturated at -5, no initial state"])
-@pytest.mark.parametrize("strips, dtype", [("v3", torch.float32), ("v3", torch.bfloat16), ("v5", torch.float32)])
+@pytest.mark.parametrize("strips, dtype", [("v3", torch.float32), ("v3", torch.bfloat16)])
 def test_forward_strips_variants(case, strips, dtype, monkeypatch):
     """The intra-chunk kernels the defaults do not run (kda_triton.V3["strips"]; the defaults: "v6" for 16-bit
     inputs, its prefix sums from `_gamma_kernel`, and "v4" for fp32 ones): "v3" (`_intra3_kernel`, the default
-    before) in fp32 and bf16, "v5" (`_strips5_kernel`) in fp32, on two of the cases above: documents at and inside
+    before) in fp32 and bf16, on two of the cases above: documents at and inside
     chunk edges with mixed gates, gates at the bound, partial chunks (at K = 128: test_forward_options)."""
     monkeypatch.setitem(kt.V3, "strips", strips)
     x, reset, (o_ref, S_ref), chunk = _forward_case(case, dtype)
@@ -144,7 +144,7 @@ def test_head_dim_128(dtype):
 def test_forward_options(monkeypatch):
     """The forward's options (kda_triton.V3) at K = V = 128 in bf16, a document start inside a chunk: the split strip
     / solve kernels, other key pieces with fp32 scratch and states, v4's strips and the solve by pieces with the
-    state pass's "x2" dots in 16-column blocks, its bf16 dots, v5's strips writing w's right side with the launch
+    state pass's "x2" dots in 16-column blocks, its bf16 dots, v4's strips writing w's right side with the launch
     chosen by the shape, v6's scan-free strips and solve, each within the bf16 tolerance of the float64 recurrence;
     the default bf16 scratch really rounded (it differs from the fp32 scratch's result). Two gate kinds as two
     heads."""
@@ -159,7 +159,7 @@ def test_forward_options(monkeypatch):
                     dict(strips="v4", solve_split=True, block_kw=64, state_dots="x2", state_block=16,
                          state_warps=8, state_stages=2),
                     dict(state_dots="16", state_block=32), dict(strips="v6", solve_split=True, block_kw=64),
-                    dict(strips="v5", solve_rhs=True, solve_split=True, state_block="auto")):
+                    dict(strips="v4", solve_rhs=True, solve_split=True, state_block="auto")):
         with monkeypatch.context() as mp:
             for name, value in options.items():
                 mp.setitem(kt.V3, name, value)
@@ -182,13 +182,13 @@ def test_forward_any_shape(data, T, H, K, V, chunk_size, gate, h0, seed):
     assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(S.cpu(), S_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("variant", ["default", "v3 fused", "split", "plain doubling", "v4 strips", "v5 strips"])
+@pytest.mark.parametrize("variant", ["default", "v3 fused", "split", "plain doubling", "v4 strips"])
 def test_intra_chunk_quantities(variant, monkeypatch):
     """`kda_intra_triton`'s w, u, q̃, k̃, d, Aqk and (I + L)⁻¹ against their definitions (kda_triton's docstring)
     in float64: pairwise exponentials over [C, C, K], the solve by `solve_triangular`, segments from the resets.
     "default": V3's defaults (for these fp32 inputs "v4"'s strips); "v3 fused" / "split" / "plain doubling": v3's
-    kernel, with V3["split"] (the strip and solve kernels apart) / without V3["diag_inverse"]; "v4 strips" / "v5
-    strips": V3["strips"] = "v4" / "v5"."""
+    kernel, with V3["split"] (the strip and solve kernels apart) / without V3["diag_inverse"]; "v4 strips":
+    V3["strips"] = "v4"."""
     if variant.endswith("strips"):
         monkeypatch.setitem(kt.V3, "strips", variant[:2])
     elif variant != "default":

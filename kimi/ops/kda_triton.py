@@ -556,97 +556,6 @@ if triton is not None:
             tl.store(A_ptr + a_rows[:, None] * C + (b * BC + lr)[None, :], zb)
 
     @triton.jit
-    def _strips5_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, qd_ptr, kd_ptr, A_ptr, M_ptr, d_ptr, r_ptr, T, H, K,
-                        N, scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
-                        PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                        RHS: tl.constexpr = False):
-        # program (chunk n × query block a, row bh), `V3["strips"] = "v5"`: what `_strips4_kernel` writes, the
-        # earlier key blocks all at once: per key piece the chunk's keys as [C // BC, BC, BK] blocks, each row j of
-        # block b < a carrying e^{g(j, m_b] + g(m_b, n_a]} (a 16-row scan within b, and g_{n_a} plus the totals of
-        # the whole blocks between, summed for each b), one [BC, C] dot against block a's queries; the diagonal
-        # block as in `_strips4_kernel`.
-        NB: tl.constexpr = C // BC
-        n = tl.program_id(0) // NB
-        a = tl.program_id(0) % NB
-        bh = tl.program_id(1).to(tl.int64)
-        seq = bh // H
-        h = bh % H
-        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
-        rows = tl.arange(0, C)
-        lr = tl.arange(0, BC)
-        blk = tl.arange(0, NB)
-        ra = a * BC + lr
-        va = ((n * C + ra) < T)[:, None]
-        toka = (seq * T + n * C + ra) * H + h
-        a_rows = (bh * N + n) * C + ra
-        t3 = n * C + blk[:, None, None] * BC + lr[None, :, None]               # [NB, BC, 1] positions
-        tok3 = (seq * T + t3) * H + h
-        seg_a = tl.sum(tl.where(rows[None, :] <= ra[:, None], rst[None, :], 0), 1)
-        beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
-        zb = tl.zeros([BC, BC], dtype=tl.float32)
-        d_qk = zb
-        d_kk = zb
-        s_qk = tl.zeros([BC, C], dtype=tl.float32)
-        s_kk = tl.zeros([BC, C], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            mk = (kk < K)[None, :]
-            g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
-            q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
-            k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
-            f = tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)             # g(n_a, r]
-            e = tl.exp(f)
-            qf = q_a * e
-            kf = k_a * e
-            kb = k_a * tl.exp(-f)                                               # ≤ e^{75}
-            d_qk = _dot(qf, tl.trans(kb), d_qk, PAIR, DT, EMULATE)
-            d_kk = _dot(kf, tl.trans(kb), d_kk, PAIR, DT, EMULATE)
-            m3 = (t3 < T) & (kk[None, None, :] < K)
-            g3 = tl.load(g_ptr + tok3 * K + kk[None, None, :], mask=m3, other=0.0).to(tl.float32)
-            k3 = tl.load(k_ptr + tok3 * K + kk[None, None, :], mask=m3 & (blk[:, None, None] < a),
-                         other=0.0).to(tl.float32)
-            tot = tl.sum(g3, 1)                                                 # [NB, BK] block totals
-            g_na = tl.sum(tl.where(lr[:, None] == 0, g_a, 0.0), 0)              # g_{n_a}
-            between = (blk[None, :, None] > blk[:, None, None]) & (blk[None, :, None] < a)
-            gap = tl.sum(tl.where(between, tot[None, :, :], 0.0), 1) + g_na[None, :]   # g(m_b, n_a] for b < a
-            phi = tl.cumsum(g3, 1, reverse=True) - g3 + gap[:, None, :]          # g(j, n_a] ≤ 0
-            kp = tl.reshape(tl.where(blk[:, None, None] < a, k3 * tl.exp(tl.where(blk[:, None, None] < a, phi, 0.0)),
-                                     0.0), [C, BK])
-            s_qk = _dot(qf, tl.trans(kp), s_qk, PAIR, DT, EMULATE)
-            s_kk = _dot(kf, tl.trans(kp), s_kk, PAIR, DT, EMULATE)
-            gam = tl.sum(tl.where(blk[:, None] < a, tot, 0.0), 0) + g_na        # Γ_{n_a}
-            after = tl.sum(tl.where(blk[:, None] > a, tot, 0.0), 0)
-            qd = tl.where((seg_a == 0)[:, None], scale * q_a * tl.exp(gam[None, :] + f), 0.0)
-            kd = tl.where((seg_a == n_seg)[:, None],
-                          k_a * tl.exp(tl.cumsum(g_a, 0, reverse=True) - g_a + after[None, :]), 0.0)
-            tl.store(qd_ptr + a_rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
-            tl.store(kd_ptr + a_rows[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
-            if RHS:   # w's right side for the solve: β K e^{Γ} on the first segment
-                tl.store(r_ptr + a_rows[:, None] * K + kk[None, :],
-                         tl.where((seg_a == 0)[:, None], beta_a[:, None] * k_a * tl.exp(gam[None, :] + f), 0.0),
-                         mask=mk)
-            if a == NB - 1:
-                dn = tl.where(n_seg == 0, tl.exp(gam + tl.sum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)), 0.0)
-                tl.store(d_ptr + (bh * N + n) * K + kk, dn, mask=kk < K)
-        # the strip: earlier blocks from the [BC, C] dots (zeros after block a), the diagonal block apart
-        same = seg_a[:, None] == seg[None, :]
-        off = (rows < a * BC) | (rows >= a * BC + BC)
-        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], tl.where(same, s_qk * scale, 0.0), mask=off[None, :])
-        tl.store(M_ptr + a_rows[:, None] * C + rows[None, :], tl.where(same, s_kk, 0.0) * beta_a[:, None],
-                 mask=off[None, :])
-        same = seg_a[:, None] == seg_a[None, :]
-        tl.store(A_ptr + a_rows[:, None] * C + ra[None, :],
-                 tl.where(same & (lr[None, :] <= lr[:, None]), d_qk * scale, 0.0))
-        nil = tl.where(same & (lr[None, :] < lr[:, None]), d_kk, 0.0) * beta_a[:, None]
-        inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
-        pw = nil
-        tl.static_assert(BC == 16)
-        for i in tl.static_range(3):   # (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
-            pw = _dot(pw, pw, zb, SOLVE, DT, EMULATE)
-            inv = _dot(inv, pw, inv, SOLVE, DT, EMULATE)
-        tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
-
-    @triton.jit
     def _gamma_kernel(g_ptr, r_ptr, T, H, K, N, C: tl.constexpr, BK: tl.constexpr):
         # program (chunk n, row bh, key piece): Γ_r = Σ_{u ≤ r} g_u of the chunk's rows into r [B·H, N, C, K] fp32
         n = tl.program_id(0)
@@ -811,13 +720,13 @@ stored, S_n and U_n split in two bf16 parts, more exact than TF32 with no fp32 c
 S_n and U_n rounded to bf16, as FLA's state pass); "state_block" "auto": `_auto_state` picks the columns, warps,
 stages and dots by the shape (the other three options then unused);
 "strips": "v4" runs `_strips4_kernel` (one [BC, BC] key block at a time, key pieces of "block_k4", q̃, k̃ and
-d there; "v5": `_strips5_kernel`, the earlier key blocks in one [BC, C] dot a piece) and then the solve (as
+d there) and then the solve (as
 "split", whatever "split" says); "strip_warps" and "solve_warps" (None: "num_warps") the split kernels' warps;
 "solve_split": the split solve as one program per chunk and piece of w or u, each forming its own (I + L)⁻¹ (not
 with `inverse`); "solve_dots": the split solve's operands (None: `PRECISION["solve"]`; "16": bf16, as FLA's);
 "strips": "v6" the prefix-sum kernels (module docstring; "block_k6" their key piece, "strip_warps" their warps;
 "v3": `_intra3_kernel`, or the split kernels with "split");
-"solve_rhs" (with "v4" / "v5"): the strips also write w's right side β K e^{Γ} to an fp32 scratch [B·H, N, C, K]
+"solve_rhs" (with "v4"): the strips also write w's right side β K e^{Γ} to an fp32 scratch [B·H, N, C, K]
 for the solve, which then reads no gates (no scans, no exponentials there).
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
@@ -860,7 +769,7 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     levels = dict(LOG_BC=SUB_CHUNK.bit_length() - 1 if V3["diag_inverse"] else 0, LEVELS=C.bit_length() - 1)
     ieee = q.dtype not in _DT16   # fp32 inputs: IEEE dots, whose operands sit in registers (`intra3_config`)
     v6 = V3["strips"] == "v6" and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
-    v4 = V3["strips"] in ("v4", "v5") or (V3["strips"] == "v6" and ieee)
+    v4 = V3["strips"] == "v4" or (V3["strips"] == "v6" and ieee)
     if v6:
         levels["LOG_BC"] = SUB_CHUNK.bit_length() - 1
         x["R"] = torch.empty(R, N, C, K, **f32)
@@ -871,14 +780,12 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
                                                    **blocks)
     if v4:
         levels["LOG_BC"] = SUB_CHUNK.bit_length() - 1
-        strips = _strips4_kernel if V3["strips"] == "v4" else _strips5_kernel
         if V3["solve_rhs"]:
             x["R"] = torch.empty(R, N, C, K, **f32)
-        strips[(N * (C // SUB_CHUNK), R)](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"],
-                                          x.get("R", x["M"]), T, H, K, N, float(scale), RHS="R" in x,
-                                          BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),
-                                          num_warps=(4 if strips is _strips4_kernel else 8) if ieee else
-                                          V3["strip_warps"], **blocks)
+        _strips4_kernel[(N * (C // SUB_CHUNK), R)](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"],
+                                                   x.get("R", x["M"]), T, H, K, N, float(scale), RHS="R" in x,
+                                                   BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),
+                                                   num_warps=4 if ieee else V3["strip_warps"], **blocks)
     elif V3["split"]:
         _strips3_kernel[(N * (C // SUB_CHUNK), R)](q, k, g, beta, rst, x["A"], x["M"], T, H, K, N, float(scale),
                                                    BK=cfg["BK"], DIAG=V3["diag_inverse"],

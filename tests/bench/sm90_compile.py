@@ -288,8 +288,8 @@ def kda_bwd():
 
 
 def kda_fwd_v4():
-    """The forward's candidate kernels (`kt.V3` options) at K = V = 128, C = 64: `_strips4_kernel` / `_strips5_kernel`
-    ("strips": "v4" / "v5", bf16 and fp32), the solve after it (no q~ / k~ / d), "v6" (`_gamma_kernel`,
+    """The forward's candidate kernels (`kt.V3` options) at K = V = 128, C = 64: `_strips4_kernel`
+    ("strips": "v4", bf16 and fp32), the solve after it (no q~ / k~ / d), "v6" (`_gamma_kernel`,
     `_strips6_kernel`, the solve reading Γ), the state pass with "x2" / "16" dots by columns, warps and stages."""
     N, C, KD = KDA_N, KDA_C, KDA_D
     scalars = dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1)
@@ -300,7 +300,7 @@ def kda_fwd_v4():
         bk, warps = (kt.V3["block_k4"], kt.V3["strip_warps"]) if name == "bf16" else (16, 4)
         sp = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, qd_ptr=x, kd_ptr=x, A_ptr=F32, M_ptr=F32,
                   d_ptr=F32, r_ptr=F32)
-        for fn, w in ((kt._strips4_kernel, warps), (kt._strips5_kernel, warps if name == "bf16" else 8)):
+        for fn, w in ((kt._strips4_kernel, warps),):
             yield f"kda {fn.__name__} {name} BK={bk} warps={w}", report(
                 fn, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
                 dict(BK=bk, PAIR=prec["PAIR"], RHS=False, **blocks), num_warps=w, num_stages=1)
