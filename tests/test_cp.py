@@ -183,6 +183,7 @@ def _worker(rank, world, init, data, result):
         out["fsdp, dp 2 x cp 2"] = {"loss": loss, "grads": grads}
     if rank == 0:
         torch.save(out, result)
+    dist.barrier()   # no rank tears gloo down while another is still in a collective or writing the result
     dist.destroy_process_group()
 
 

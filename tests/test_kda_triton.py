@@ -228,7 +228,8 @@ def test_intra_chunk_quantities(variant, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cp_prepass_is_the_slice_map(dtype):
     """S_end = M S_start + S_zero for a random S_start, against the float64 forward from S_start; M against the
-    float64 transition (the recurrence from S = I with v = 0); a document start in the slice makes M exactly 0.
+    float64 transition (the recurrence from S = I with v = 0) on near-zero gates, where M stays O(1); a document
+    start in the slice makes M exactly 0.
     Then two slices chained by their pre-passes give the whole sequence's final state, and the second slice run
     from the chained state gives the whole sequence's outputs there."""
     B, T, H, K, V = 2, 90, 2, 16, 24
@@ -241,9 +242,13 @@ def test_cp_prepass_is_the_slice_map(dtype):
     s_start = torch.randn(B, H, K, V, dtype=F64)
     _, S_ref = _call(delta_rule.kda_recurrent, x64 | {"initial_state": s_start}, reset)
     assert rel_err(M.cpu().double() @ s_start + s_zero.cpu(), S_ref) < tol
+    # M itself on near-zero gates: over 90 tokens of bounded gates it decays to ~1e-25 (its part of S_end, checked
+    # above, is then nothing), where a relative error of M measures only the rounding of vanishing entries
+    xm = _inputs(B, T, H, K, V, "near zero", dtype, h0=False)
+    _, M = kt.kda_cp_prepass_triton(xm["q"], xm["k"], xm["v"], xm["g"], xm["beta"], reset.to(DEVICE), chunk_size=32)
     zeros_v = torch.zeros(B, T, H, K, dtype=F64)
-    _, M_ref = _call(delta_rule.kda_recurrent, x64 | {"v": zeros_v, "initial_state": torch.eye(K, dtype=F64)
-                                                      .expand(B, H, K, K)}, reset)
+    _, M_ref = _call(delta_rule.kda_recurrent, _f64(xm) | {"v": zeros_v, "initial_state": torch.eye(K, dtype=F64)
+                                                           .expand(B, H, K, K)}, reset)
     assert rel_err(M[0].cpu(), M_ref[0]) < (1e-5 if dtype == torch.float32 else 2e-2)
     assert torch.equal(M[1].cpu(), torch.zeros(H, K, K))                   # row 1 has a document start
 
