@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .kda_triton import (_DT16, SUB_CHUNK, V3, _check, _dots, _pow2, _state_pass, kda_chunk_fwd_triton,
                          kda_intra_triton, state_config)
-from .registry import tl, triton
+from .registry import sm_count, tl, triton
 
 if triton is not None:
     from .kda_triton import _block_cumsum, _chunk_rows, _dot, _operand, _state_bwd_kernel, _to16
@@ -522,7 +522,7 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     dsN = dsN.contiguous() if dsN is not None else None
 
     def reverse_pass():
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        sms = sm_count(q.device) if q.is_cuda else 132
         cfg = reverse_config(K, V, ieee=not s16, rows=R, sms=sms)
         args = (x["qd"], x["kd"], x["w"], x["A"], x["d"], do, dsN if dsN is not None else dU, dstates, dU,
                 dh0 if dh0 is not None else dU, T, H, K, V, N)

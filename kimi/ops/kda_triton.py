@@ -68,7 +68,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .registry import interpreted, tl, triton, triton_available
+from .registry import interpreted, sm_count, tl, triton, triton_available
 
 SUB_CHUNK = 16   # BC: rows of one diagonal block (its anchored exponentials span at most 15 gates)
 
@@ -847,7 +847,7 @@ def _auto_state(R: int, V: int, device: torch.device) -> tuple[int, dict, str]:
     4 warps, two stages (two programs an SM, all in one wave). With fewer rows (B·H) the pass is bound by each
     program's chain of dependent dots, so more and shorter chains win: 16 columns, at 4 warps and two stages, or at
     8 warps and three stages when even then there is at most one program an SM (docs/performance.md)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    sms = sm_count(device) if device.type == "cuda" else 132
     if R * triton.cdiv(V, 64) >= sms:
         return 64, dict(num_warps=4, num_stages=2), "x2"
     if R * triton.cdiv(V, 16) <= sms:
