@@ -35,6 +35,7 @@ prompt, 4 new tokens: prefill seconds, tokens/s, peak memory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -167,19 +168,28 @@ def prefill_rows(a, cfg, device):
     params = kimi.init_params(small, dtype="bfloat16", device=device, draw_on_device=device.type == "cuda")
     for leaf in (v for _, v in kimi.params.tree_items(params)):
         leaf.requires_grad_(False)
-    print("| prompt tokens | backend | prefill s | tokens/s | peak GiB |\n|---|---|---|---|---|", flush=True)
-    for T in a.prefill:
-        prompt = torch.randint(0, small.vocab_size, (T,)).tolist()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        try:
-            r = generate(params, small, [prompt], max_new_tokens=4, prefill_chunk=a.prefill_chunk)
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-            print(f"| {T:,} | generate.py default ({_backend(DEFAULT_BACKEND)}), chunks of {a.prefill_chunk:,} | "
-                  f"{r.prefill_s:.1f} | {T / r.prefill_s:,.0f} | {peak:.1f} |", flush=True)
-        except torch.OutOfMemoryError as e:
-            print(f"| {T:,} | generate.py default | out of memory ({str(e).splitlines()[0][:80]}) | | |", flush=True)
+    print("| prompt tokens | backend | prefill s | tokens/s | first / middle / last chunk s | peak GiB |\n"
+          "|---|---|---|---|---|---|", flush=True)
+    for spec in a.prefill_backends:
+        backend = DEFAULT_BACKEND if spec == "default" else dataclasses.replace(
+            DEFAULT_BACKEND, **dict(kv.split("=", 1) for kv in spec.split(",")))
+        for T in a.prefill:
+            prompt = torch.randint(0, small.vocab_size, (T,)).tolist()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            chunks = []
+            try:
+                r = generate(params, small, [prompt], max_new_tokens=4, prefill_chunk=a.prefill_chunk,
+                             backend=backend, on_prefill=lambda done, total, s: chunks.append(s))
+                peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+                each = [b - a_ for a_, b in zip([0.0] + chunks, chunks)] if chunks else []
+                split = " / ".join(f"{each[i]:.2f}" for i in (0, len(each) // 2, -1)) if each else ""
+                print(f"| {T:,} | {_backend(backend)}, chunks of {a.prefill_chunk:,} | {r.prefill_s:.1f} | "
+                      f"{T / r.prefill_s:,.0f} | {split} | {peak:.1f} |", flush=True)
+            except torch.OutOfMemoryError as e:
+                print(f"| {T:,} | {_backend(backend)} | out of memory ({str(e).splitlines()[0][:80]}) | | | |",
+                      flush=True)
 
 
 def _backend(b):
@@ -206,6 +216,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-kernel profile of each path's forward+backward")
     ap.add_argument("--prefill", type=int, nargs="*", default=[131072, 32768])
     ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--prefill-backends", nargs="*", default=["default"],
+                    help="generate's backend for the prefill rows: 'default' or Backend fields, e.g. "
+                         "'kda=triton,attn=triton'")
     a = ap.parse_args()
     device = torch.device(a.device)
     torch.backends.cuda.matmul.allow_tf32 = True     # as train.py (--tf32): fp32 matmuls of bf16 values on TF32

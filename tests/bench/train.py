@@ -33,6 +33,7 @@ them recomputed (the `logits` column says which).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -63,6 +64,10 @@ def bench(a) -> list[dict]:
     if world % a.cp:
         sys.exit(f"--cp {a.cp} needs a multiple of {a.cp} processes, got {world}")
     cfg = scaled(kimi.preset(a.preset), num_layers=a.layers, num_experts=a.experts)
+    if a.topk is not None:
+        if not 1 <= a.topk <= cfg.num_experts:
+            sys.exit(f"--topk must lie in [1, {cfg.num_experts}] (the routed experts), got {a.topk}")
+        cfg = dataclasses.replace(cfg, num_experts_per_token=a.topk)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     use_compile = a.compile if a.compile is not None else device.type == "cuda"
     torch.manual_seed(0)
@@ -207,6 +212,9 @@ def main():
     ap.add_argument("--preset", default="k3_1_pro")
     ap.add_argument("--layers", type=int, default=None, help="default: 4 for the release presets, preset's own else")
     ap.add_argument("--experts", type=int, default=None, help="routed experts (default: 8 for the release presets)")
+    ap.add_argument("--topk", type=int, default=None,
+                    help="experts routed a token (default: the preset's, at most --experts); sparse routing: "
+                         "at most a quarter of them")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--doc-len", type=int, default=None,
