@@ -83,9 +83,10 @@ class Args:
     compile: bool | None = None
     """Compile the prefill and decode steps (default: on CUDA)."""
     backend: kimi.Backend = DEFAULT_BACKEND
-    """The implementations (`kimi.Backend`). Default: the KDA chunk core as one opaque op (a shorter compile of the
-    prefill), every other choice automatic (attention: 'gather', nothing of size prompt x cache, once the cache has
-    more than 8,192 slots or a prefill chunk would score more than 2^24 query-key pairs densely)."""
+    """The implementations (`kimi.Backend`). Default: every choice automatic: on a GPU in bf16 the Triton KDA
+    kernels, and sparse attention over the cache (the Triton indexer and kernels; 'gather' on a CPU), nothing of
+    size prompt x cache, once the cache has more than 8,192 slots or a prefill chunk would score more than 2^24
+    query-key pairs densely."""
     stream: bool = True
     """Print tokens as they come (one prompt only)."""
     bos: bool = True

@@ -69,11 +69,13 @@ def test_resolve_on_a_gpu(monkeypatch):
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, gate_lower_bound=bound - 1).kda == "chunk_triton"
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.float32, gate_lower_bound=bound).kda == "chunk_triton"
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.float64, tokens=1).kda == "chunk"
-    n = ops.DENSE_MASK_MAX_KEYS + 1      # long rows: the Triton sparse kernels, in bf16 and fp16, without a cache
+    n = ops.DENSE_MASK_MAX_KEYS + 1      # long rows and long caches: the Triton sparse kernels, in bf16 and fp16
     long = dict(device=CUDA, queries=n, keys=n)
     assert ops.resolve(Backend(), dtype=torch.bfloat16, **long).attn == "triton"
     assert ops.resolve(Backend(), dtype=torch.float32, **long).attn == "gather"
-    assert ops.resolve(Backend(), dtype=torch.bfloat16, cached=True, **long).attn == "gather"
+    assert ops.resolve(Backend(), dtype=torch.bfloat16, cached=True, **long).attn == "triton"
+    assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, cached=True, queries=1, keys=n).attn == "triton"
+    assert ops.resolve(Backend(), device=CUDA, dtype=torch.float32, cached=True, queries=1, keys=n).attn == "gather"
     assert ops.resolve(Backend(), dtype=torch.bfloat16, every_candidate=True, **long).attn == "gather"
     monkeypatch.setattr(ops, "triton_available", lambda device: False)
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, tokens=1).moe == "grouped"

@@ -89,11 +89,11 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
       bounded gate (`gate_lower_bound` ≥ `delta_rule.GATE_BOUND`), 'chunk_triton' for other gates and fp32 (not
       for float64); 'chunk_opaque' while torch.compile traces on a CPU (Inductor's CPU code generation for the
       traced chunk algebra takes minutes); else 'chunk'.
-    - attn: without a cache for more than `DENSE_MASK_MAX_KEYS` keys 'triton' (a CUDA device with Triton, bf16 or
-      fp16) or 'gather', and 'gather' when every candidate is attended (`every_candidate`: documents no longer than
-      index_topk, or no indexer); with a cache 'gather' for more than 8,192 keys or
-      `DENSE_MASK_MAX_PAIRS_CACHED` (query, key) pairs; unless mla_form='expanded' is asked for. Otherwise 'sdpa'
-      for the expanded form and 'eager' for the absorbed one.
+    - attn: without a cache for more than `DENSE_MASK_MAX_KEYS` keys, with a cache for more than 8,192 slots or
+      `DENSE_MASK_MAX_PAIRS_CACHED` (query, key) pairs: 'triton' (a CUDA device with Triton, bf16 or fp16) or
+      'gather', and 'gather' when every candidate is attended (`every_candidate`: documents no longer than
+      index_topk, or no indexer); unless mla_form='expanded' is asked for. Otherwise 'sdpa' for the expanded form
+      and 'eager' for the absorbed one.
     - sparse_fwd (attn='cudnn' only): 'flashmla' where FlashMLA imports, else 'triton'.
     - mla_form: 'absorbed' for attn='gather', 'triton' or 'cudnn' and with a decode cache (attention over the cached 576-wide latents,
       nothing re-expanded), 'expanded' without one (or with attn='sdpa').
@@ -118,9 +118,9 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
             dense = keys <= DENSE_MASK_MAX_SLOTS_CACHED and (queries or 1) * keys <= DENSE_MASK_MAX_PAIRS_CACHED
         else:
             dense = keys <= DENSE_MASK_MAX_KEYS and not every_candidate
-        # Without a cache the Triton kernels beat the torch gather at every length measured (an H200 layer:
-        # docs/performance.md#triton-sparse-kernels); with one, decoding on them is not measured yet.
-        kernels = not cached and not every_candidate and triton_here and dtype in (torch.bfloat16, torch.float16)
+        # The Triton kernels beat the torch gather at every length measured, without a cache (an H200 layer) and
+        # with one (prefill into a 131,072-token cache, decode steps against it): docs/performance.md
+        kernels = not every_candidate and triton_here and dtype in (torch.bfloat16, torch.float16)
         attn = attn if dense else ("triton" if kernels else "gather")
     if form == "auto":
         form = "absorbed" if attn in ("gather", "triton", "cudnn") or (cached and attn != "sdpa") else "expanded"
