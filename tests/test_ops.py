@@ -74,7 +74,10 @@ def test_resolve_on_a_gpu(monkeypatch):
     assert ops.resolve(Backend(), dtype=torch.bfloat16, **long).attn == "triton"
     assert ops.resolve(Backend(), dtype=torch.float32, **long).attn == "gather"
     assert ops.resolve(Backend(), dtype=torch.bfloat16, cached=True, **long).attn == "triton"
-    assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, cached=True, queries=1, keys=n).attn == "triton"
+    slots = ops.DENSE_MASK_MAX_SLOTS_CACHED
+    assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, cached=True, queries=1, keys=slots).attn == "eager"
+    assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, cached=True, queries=1,
+                       keys=slots + 1).attn == "triton"
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.float32, cached=True, queries=1, keys=n).attn == "gather"
     assert ops.resolve(Backend(), dtype=torch.bfloat16, every_candidate=True, **long).attn == "gather"
     monkeypatch.setattr(ops, "triton_available", lambda device: False)

@@ -171,8 +171,12 @@ def prefill_rows(a, cfg, device):
     print("| prompt tokens | backend | prefill s | tokens/s | first / middle / last chunk s | peak GiB |\n"
           "|---|---|---|---|---|---|", flush=True)
     for spec in a.prefill_backends:
-        backend = DEFAULT_BACKEND if spec == "default" else dataclasses.replace(
-            DEFAULT_BACKEND, **dict(kv.split("=", 1) for kv in spec.split(",")))
+        try:
+            backend = DEFAULT_BACKEND if spec == "default" else dataclasses.replace(
+                DEFAULT_BACKEND, **dict(kv.split("=", 1) for kv in spec.split(",")))
+        except (TypeError, ValueError) as e:
+            sys.exit(f"--prefill-backends {spec!r}: expected 'default' or field=value pairs of kimi.Backend joined "
+                     f"by commas ({e})")
         for T in a.prefill:
             prompt = torch.randint(0, small.vocab_size, (T,)).tolist()
             if device.type == "cuda":
