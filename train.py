@@ -60,8 +60,8 @@ from kimi import runs
 from kimi.plot import plot_metrics
 from kimi.tokenizer import load_tokenizer
 from kimi.train_state import load_training_state, save_training_state
-from kimi.training import (adamw, fp32_paths, lr_at, make_loss, model_flops_per_token, peak_flops, recompute_wanted,
-                           train_step, trainable_named)
+from kimi.training import (adamw, fp32_paths, lora_flop_params, lr_at, make_loss, model_flops_per_token, peak_flops,
+                           recompute_wanted, train_step, trainable_named)
 
 
 # ============================================================================================== configuration
@@ -402,7 +402,8 @@ def train(cfg: TrainConfig) -> dict:
                            enabled=is_main)
     record = metrics.record
 
-    flops_tok = model_flops_per_token(model_cfg, cfg.data.seq_len)
+    flops_tok = model_flops_per_token(model_cfg, cfg.data.seq_len,
+                                      adapters=lora_flop_params(model_cfg, adapters) if adapters else None)
     peak = peak_flops(device)
     log(f"model {cfg.model}: {kimi.param_count(model_cfg):,} parameters, training {n_params:,}"
         f"{f' (LoRA rank {cfg.lora.rank})' if cfg.lora.rank else ''} | {len(train_rows)} train rows, "

@@ -279,11 +279,15 @@ def trainable_named(params, adapters: dict) -> dict[str, Tensor]:
 
 # ---------------------------------------------------------------------------------------------- FLOPs
 
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, adapters: float | None = None) -> float:
     """Training FLOPs per token (forward + backward), the usual 6·N estimate plus sequence terms:
 
     - 6 · N_active: every active matmul weight (experts counted k of E, the head counted, the embedding lookup
-      and the indexer not), 2 FLOPs per multiply-add, forward + 2× backward;
+      and the indexer not), 2 FLOPs per multiply-add, forward + 2× backward. Under LoRA (`adapters`: the
+      adapter parameters a token passes through, `lora_flop_params`) the frozen base counts 4 · N_active (forward
+      and input gradient, no weight gradient) and the adapters 6 each: the model's work, whatever the
+      implementation does (kimi.lora merges the adapters into the weights, so it also forms their weight
+      gradients);
     - gated MLA attention: 6 · H · (d_qk + d_v) · keys, keys = mean over a row of min(t, index_topk) causal keys
       (all t without an indexer), expanded form;
     - KDA: 6 · H · (3 · d_k · d_v + C · (d_k + d_v)) per token, the state update / readout and the
@@ -292,7 +296,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     Dense rows of length seq_len are assumed (packing keeps this roughly right)."""
     n_active = param_count(cfg, active=True, embedding=False)
     n_idx = sum(math.prod(s.shape) for p, s in tree_items(param_specs(cfg)) if ".indexer." in p)
-    flops = 6.0 * (n_active - n_idx)
+    flops = 6.0 * (n_active - n_idx) if adapters is None else 4.0 * (n_active - n_idx) + 6.0 * adapters
     T = seq_len
     mean_t = (T + 1) / 2
     for kind in cfg.layer_types:
@@ -305,6 +309,14 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
             la = cfg.linear_attn_config
             flops += 6 * la.num_heads * (3 * la.head_dim * la.head_dim + 64 * 2 * la.head_dim)
     return flops + 2.0 * n_idx
+
+
+def lora_flop_params(cfg: ModelConfig, adapters: dict) -> float:
+    """The adapter parameters a token passes through: all of them, but those of the routed experts counted k of E
+    (a token visits num_experts_per_token of the stacked experts)."""
+    routed = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
+    return sum(sum(t.numel() for t in ab.values()) * (routed if ".experts." in path else 1.0)
+               for path, ab in adapters.items())
 
 
 def peak_flops(device: torch.device) -> float | None:

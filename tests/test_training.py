@@ -12,7 +12,7 @@ from kimi.config import KDAConfig
 from kimi.loss import IGNORE
 from kimi.params import tree_items, unflatten
 from kimi.training import (adamw, cast_tree, clipped_step, compiled_cast, fp32_paths, loss_sum, lr_at,
-                           model_flops_per_token, train_step, trainable_named)
+                           lora_flop_params, model_flops_per_token, train_step, trainable_named)
 
 from helpers import rel_err, small_cfg, tiny
 
@@ -195,3 +195,12 @@ def test_model_flops():
     n = kimi.param_count(cfg, active=True, embedding=False)
     f64, f128 = model_flops_per_token(cfg, 64), model_flops_per_token(cfg, 128)
     assert 6 * n * 0.9 < f64 < f128 < 6 * n * 2        # indexer counted once, not 6 times; attention grows with T
+    # LoRA: the frozen base 4 FLOPs a parameter (no weight gradient), the adapters 6; routed experts' adapters k of E
+    n_idx = sum(p.numel() for path, p in kimi.params.tree_items(kimi.init_params(cfg)) if ".indexer." in path)
+    assert model_flops_per_token(cfg, 64, adapters=0) == pytest.approx(f64 - 2 * (n - n_idx))
+    assert model_flops_per_token(cfg, 64, adapters=1000) == pytest.approx(f64 - 2 * (n - n_idx) + 6000)
+    ab = lambda *shape: {"A": torch.zeros(*shape), "B": torch.zeros(3)}
+    adapters = {"model.layers.0.self_attn.q_proj.weight": ab(10),
+                "model.layers.1.block_sparse_moe.experts.w1": ab(cfg.num_experts, 7)}
+    routed = cfg.num_experts_per_token / cfg.num_experts
+    assert lora_flop_params(cfg, adapters) == pytest.approx(13 + (cfg.num_experts * 7 + 3) * routed)

@@ -20,7 +20,9 @@ count every expert GEMM sees all B·T rows (its width is the release's; how many
 depends on the batch and expert parallelism).
 
 Model FLOPs per token: `kimi.training.model_flops_per_token` (6 x active matmul parameters, plus the attention,
-KDA-state and indexer terms, documented there). MFU = tokens/s x FLOPs per token / peak (`kimi.training.peak_flops`,
+KDA-state and indexer terms, documented there; under `--lora-rank` the frozen base counts 4 a parameter and the
+adapters 6). `--topk` routes each token to fewer experts (sparse routing, as the release's 16 of 896);
+`--lora-rank` freezes the base in bf16 with fp32 adapters (`--lora-targets`), so many more experts fit. MFU = tokens/s x FLOPs per token / peak (`kimi.training.peak_flops`,
 dense bf16). Timing: `--warmup` steps (compilation), then the median of `--steps` steps, synchronized.
 A step is `--accum` forward+backward passes of B x T tokens (one table row per count given), then clipping and
 one AdamW update: the optimizer's fixed cost (it reads and writes 28 bytes a parameter; the embedding and head are
@@ -46,7 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the package of this checkout
 import kimi  # noqa: E402
 from kimi.config import scaled  # noqa: E402
-from kimi.training import (adamw, fp32_paths, make_loss, model_flops_per_token,  # noqa: E402
+from kimi import lora  # noqa: E402
+from kimi.training import (adamw, fp32_paths, lora_flop_params, make_loss, model_flops_per_token,  # noqa: E402
                            peak_flops, train_step, trainable_named)
 
 
@@ -63,6 +66,8 @@ def bench(a) -> list[dict]:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if world % a.cp:
         sys.exit(f"--cp {a.cp} needs a multiple of {a.cp} processes, got {world}")
+    if a.lora_rank < 0 or (a.lora_rank and world > 1):
+        sys.exit(f"--lora-rank must be >= 0 and runs in one process (got {a.lora_rank} with {world} processes)")
     cfg = scaled(kimi.preset(a.preset), num_layers=a.layers, num_experts=a.experts)
     if a.topk is not None:
         if not 1 <= a.topk <= cfg.num_experts:
@@ -71,8 +76,18 @@ def bench(a) -> list[dict]:
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     use_compile = a.compile if a.compile is not None else device.type == "cuda"
     torch.manual_seed(0)
-    # fp32 master weights drawn on the device (fast for billions of parameters; the values only need to be sane)
-    params = kimi.init_params(cfg, seed=0, dtype="float32", device=device, draw_on_device=True)
+    # fp32 master weights drawn on the device (fast for billions of parameters; the values only need to be sane);
+    # under LoRA the base in the compute dtype, frozen, with fp32 adapters (train.py's build_model)
+    params = kimi.init_params(cfg, seed=0, dtype=str(compute).removeprefix("torch.") if a.lora_rank else "float32",
+                              device=device, draw_on_device=True)
+    adapters = {}
+    if a.lora_rank:
+        for _, p in kimi.params.tree_items(params):
+            p.requires_grad_(False)
+        try:
+            adapters = lora.init_adapters(params, tuple(a.lora_targets), a.lora_rank)
+        except lora.LoRAError as e:
+            sys.exit(f"--lora-targets: {e}")
     backend = kimi.Backend(attn=a.attn, kda=a.kda, moe=a.moe, mla_form=a.mla_form, sparse_fwd=a.sparse_fwd)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if a.tf32 else "highest")
@@ -82,7 +97,8 @@ def bench(a) -> list[dict]:
     labels = torch.roll(ids, -1, dims=1)
     doc_len = a.doc_len or T
     doc = (torch.arange(T, device=device) // doc_len).expand(B, T).contiguous()     # packed documents of doc_len
-    step_kw = dict(cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(cfg), lora_scale=1.0,
+    step_kw = dict(cfg=cfg, backend=backend, dtype=compute, fp32_paths=fp32_paths(cfg),
+                   lora_scale=lora.scale_of(a.lora_rank, 2.0 * a.lora_rank) if a.lora_rank else 1.0,
                    max_document_len=doc_len if a.tell_lengths else None)
     root = None
     if world > 1:
@@ -97,7 +113,7 @@ def bench(a) -> list[dict]:
         params = None
         named = sharded_trainable_named(root)
     else:
-        named = trainable_named(params, {})
+        named = trainable_named(params, adapters)
     opt = adamw(named, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=device.type == "cuda")
     rows_world = world // a.cp             # data-parallel groups, each with its own rows of B x T
 
@@ -106,7 +122,7 @@ def bench(a) -> list[dict]:
         def micro_loss(*batch):
             if root is not None:
                 return root(*batch)
-            return fn(params, {}, *batch, **step_kw, keep_logits=keep_logits)
+            return fn(params, adapters, *batch, **step_kw, keep_logits=keep_logits)
         return train_step(micro_loss, [(ids, labels, doc)] * accum, opt, named.values(),
                           label_tokens=accum * B * T * rows_world, grad_clip=1.0, world=world)
 
@@ -126,7 +142,7 @@ def bench(a) -> list[dict]:
         print(f"  warm-up step {i + 1}/{a.warmup} done at {time.perf_counter() - t0:.0f} s, loss {result.loss:.4f} "
               f"(ln V = {math.log(V):.4f}), grad norm {result.grad_norm:.4g}{mem}", flush=True)
     warm_s = time.perf_counter() - t0
-    flops = model_flops_per_token(cfg, T)
+    flops = model_flops_per_token(cfg, T, adapters=lora_flop_params(cfg, adapters) if adapters else None)
     peak = peak_flops(device)
     rows = []
 
@@ -155,6 +171,7 @@ def bench(a) -> list[dict]:
                   f"attn={a.attn}{'/' + a.sparse_fwd if a.attn == 'cudnn' else ''} kda={a.kda} moe={a.moe} "
                   f"cast={a.cast} tf32={'on' if a.tf32 else 'off'}"
                   + (" recompute" if a.recompute else "")
+                  + (f" LoRA r{a.lora_rank} on {'+'.join(a.lora_targets)}" if a.lora_rank else "")
                   + (f" {world} processes" + (f" cp {a.cp} {a.cp_layout}" if a.cp > 1 else "") if world > 1 else "")
                   + (f" docs of {doc_len}{'' if a.tell_lengths else ' (length not passed)'}" if a.doc_len else ""),
             params=kimi.param_count(cfg), active=kimi.param_count(cfg, active=True),
@@ -215,6 +232,11 @@ def main():
     ap.add_argument("--topk", type=int, default=None,
                     help="experts routed a token (default: the preset's, at most --experts); sparse routing: "
                          "at most a quarter of them")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="LoRA adapters of this rank (0: full fine-tuning): the base frozen in bf16, fp32 adapters; "
+                         "MFU counts the frozen weights 4 FLOPs a parameter, not 6")
+    ap.add_argument("--lora-targets", nargs="+", default=list(lora.ATTENTION_TARGETS),
+                    help="modules to adapt (kimi/lora.py; 'experts' for the routed experts)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--doc-len", type=int, default=None,
