@@ -28,8 +28,12 @@ and the input. fwd+bwd differentiates every weight but the frozen indexer's, and
 (where the layer's time goes).
 
 Prefill (`--prefill`, default 131072 and 32768 tokens): `kimi.generation.generate` as generate.py runs it (its
-default backend, chunks of 8,192 tokens into the cache, eager) on the preset scaled to 4 layers and 8 experts, one
-prompt, 4 new tokens: prefill seconds, tokens/s, peak memory.
+default backend or those `--prefill-backends` names, chunks of 8,192 tokens into the cache, eager) on the preset
+scaled to 4 layers and 8 experts, one prompt, 4 new tokens: prefill seconds, tokens/s, the first, middle and last
+chunk's seconds (how the time grows with the cache behind a chunk), peak memory; with `--profile` then the CUDA
+kernels of the same prefill, per chunk.
+
+    PYTHONPATH=. python tests/bench/dsa.py --tokens --prefill 8192 131072 --prefill-backends default kda=chunk_opaque
 """
 
 from __future__ import annotations
@@ -194,6 +198,13 @@ def prefill_rows(a, cfg, device):
             except torch.OutOfMemoryError as e:
                 print(f"| {T:,} | {_backend(backend)} | out of memory ({str(e).splitlines()[0][:80]}) | | | |",
                       flush=True)
+                continue
+            if a.profile and device.type == "cuda":   # after the timed run: the kernels are compiled
+                n = -(-T // a.prefill_chunk)
+                profile_kernels(lambda: (generate(params, small, [prompt], max_new_tokens=1,
+                                                  prefill_chunk=a.prefill_chunk, backend=backend),
+                                         torch.cuda.synchronize()), n,
+                                f"profile, prefill of {T:,} tokens ({_backend(backend)}), per chunk", top=40)
 
 
 def _backend(b):
@@ -217,7 +228,8 @@ def main():
     ap.add_argument("--max-sdpa", type=int, default=32768, help="longest T for the dense-mask row (64K: OOM)")
     ap.add_argument("--paths", nargs="*", default=[], choices=["triton", "cudnn", "gather", "sdpa"],
                     help="layer rows to run (default: all); 'gather' includes its short-document row")
-    ap.add_argument("--profile", action="store_true", help="per-kernel profile of each path's forward+backward")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel profile of each path's forward+backward, and of each prefill row (per chunk)")
     ap.add_argument("--prefill", type=int, nargs="*", default=[131072, 32768])
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--prefill-backends", nargs="*", default=["default"],
