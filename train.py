@@ -365,6 +365,7 @@ def train(cfg: TrainConfig) -> dict:
     recompute = cfg.activation_checkpointing == "layers" or (
         cfg.activation_checkpointing == "auto" and world == 1 and
         recompute_wanted(model_cfg, tokens, device, trainable=n_params))
+    adapter_flops = lora_flop_params(model_cfg, adapters) if adapters else None    # before FSDP frees the tree
     root = None
     if world > 1:
         # the FSDP root's call is the micro-batch loss (under --cp: its tokens' share of the rows); the optimizer
@@ -402,8 +403,7 @@ def train(cfg: TrainConfig) -> dict:
                            enabled=is_main)
     record = metrics.record
 
-    flops_tok = model_flops_per_token(model_cfg, cfg.data.seq_len,
-                                      adapters=lora_flop_params(model_cfg, adapters) if adapters else None)
+    flops_tok = model_flops_per_token(model_cfg, cfg.data.seq_len, adapters=adapter_flops)
     peak = peak_flops(device)
     log(f"model {cfg.model}: {kimi.param_count(model_cfg):,} parameters, training {n_params:,}"
         f"{f' (LoRA rank {cfg.lora.rank})' if cfg.lora.rank else ''} | {len(train_rows)} train rows, "

@@ -169,12 +169,15 @@ CFG2 = tiny(num_hidden_layers=2, attn_res_block_size=1, index_topk=4, index_rope
             linear_attn_config=KDAConfig(num_heads=4, head_dim=32, kda_layers=(1,), full_attn_layers=(2,)))
 
 
-@pytest.mark.parametrize("attn, kda", [("eager", "chunk"), ("gather", "chunk"), ("gather", "triton")])
+@pytest.mark.parametrize("attn, kda", [("eager", "chunk"), ("gather", "chunk"), ("gather", "triton"),
+                                       ("triton", "chunk")])
 def test_decode_step_compiles_fullgraph(attn, kda):
     """One graph for a decode step (fullgraph=True: a graph break raises), no recompile as pos advances, and the
     compiled step equals eager. Left-padded rows, so the row starts are live; with index_topk = 4 below the cache's
-    length, so the indexer selects. kda='triton': the fused decode kernel, an op that writes the cache in place."""
-    if kda == "triton" and kimi.ops.registry.triton is None:
+    length, so the indexer selects. kda='triton': the fused decode kernel, an op that writes the cache in place;
+    attn='triton': the Triton indexer's split decode path and sparse attention over the cache (what `auto` takes
+    for long caches on a GPU)."""
+    if "triton" in (attn, kda) and kimi.ops.registry.triton is None:
         pytest.skip("triton is not installed")
     torch._dynamo.reset()
     params = kimi.init_params(CFG2, seed=0)

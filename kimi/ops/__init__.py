@@ -67,14 +67,15 @@ GEMV_MAX_TOKENS = 64
 
 DENSE_MASK_MAX_KEYS = 32768
 """Without a cache `attn="auto"` runs the dense-mask SDPA reference for at most this many keys: up to 32K tokens it
-is faster than the torch 'gather' path and holds less memory (docs/performance.md#sparse-attention); beyond, and
-whenever every candidate is attended (dense attention over the ranges needs no T×T mask), 'gather'."""
+is faster than the torch 'gather' path and holds less memory (docs/performance.md#sparse-attention); beyond,
+'triton' on a GPU in bf16/fp16, else 'gather', and 'gather' whenever every candidate is attended (dense attention
+over the ranges needs no T×T mask)."""
 
 DENSE_MASK_MAX_SLOTS_CACHED = 8192
 DENSE_MASK_MAX_PAIRS_CACHED = 1 << 24
 """With a cache the dense-mask reference is the absorbed form, whose fp32 scores are [B, H, T, S]: `attn="auto"`
 keeps it for at most `DENSE_MASK_MAX_SLOTS_CACHED` cache slots and this many (query, key) pairs (decode steps over
-short caches) and runs 'gather' otherwise (long caches, long prefill chunks)."""
+short caches); otherwise (long caches, long prefill chunks) 'triton' on a GPU in bf16/fp16, else 'gather'."""
 
 QUERY_BLOCK = 1024
 """Queries a block on the range-based paths (indexer scores and top-k, dense attention over the ranges)."""
@@ -95,8 +96,8 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
       index_topk, or no indexer); unless mla_form='expanded' is asked for. Otherwise 'sdpa' for the expanded form
       and 'eager' for the absorbed one.
     - sparse_fwd (attn='cudnn' only): 'flashmla' where FlashMLA imports, else 'triton'.
-    - mla_form: 'absorbed' for attn='gather', 'triton' or 'cudnn' and with a decode cache (attention over the cached 576-wide latents,
-      nothing re-expanded), 'expanded' without one (or with attn='sdpa').
+    - mla_form: 'absorbed' for attn='gather', 'triton' or 'cudnn' and with a decode cache (attention over the
+      cached 576-wide latents, nothing re-expanded), 'expanded' without one (or with attn='sdpa').
     - moe: 'gemv' for at most `GEMV_MAX_TOKENS` tokens on a CUDA device with Triton; 'grouped' for
       float32/bfloat16; 'dense' otherwise.
 

@@ -10,8 +10,9 @@ key loads alone); `sum` takes each block's ReLU, head weights and sum over heads
 turns the scores into order keys and tests them against a threshold no key passes, with the prefix sum and the
 masked stores of an append (the production loop when nothing is taken); `branch` the same with the append under
 a test for any key taken; `window` tests each dot's scores in the layout the head sum leaves them and stores
-the keys that pass at their position in a per-query window (no prefix sum); `dense` stores every key (FLOOR where not taken: one layout change a dot instead of two);
-`any` stores only after a CTA-wide test that some key of the block passes. Shapes: `halves` two dots of 2 queries a key block (the default), `one` one dot of 4
+the keys that pass at their position in a per-query window (no prefix sum); `dense` stores every key (FLOOR
+where not taken: one layout change a dot instead of two); `any` stores only after a CTA-wide test that some key
+of the block passes. Shapes: `halves` two dots of 2 queries a key block (the default), `one` one dot of 4
 queries, `quarters` four dots of 1 query; `bn` keys a block; `tma` key tiles by tensor descriptors instead of
 pointer loads. TFLOP/s count the causal half, 2·n·d·T²/2.
 """

@@ -22,8 +22,9 @@ depends on the batch and expert parallelism).
 Model FLOPs per token: `kimi.training.model_flops_per_token` (6 x active matmul parameters, plus the attention,
 KDA-state and indexer terms, documented there; under `--lora-rank` the frozen base counts 4 a parameter and the
 adapters 6). `--topk` routes each token to fewer experts (sparse routing, as the release's 16 of 896);
-`--lora-rank` freezes the base in bf16 with fp32 adapters (`--lora-targets`), so many more experts fit. MFU = tokens/s x FLOPs per token / peak (`kimi.training.peak_flops`,
-dense bf16). Timing: `--warmup` steps (compilation), then the median of `--steps` steps, synchronized.
+`--lora-rank` freezes the base in bf16 with fp32 adapters (`--lora-targets`), so many more experts fit.
+MFU = tokens/s x FLOPs per token / peak (`kimi.training.peak_flops`, dense bf16). Timing: `--warmup` steps
+(compilation), then the median of `--steps` steps, synchronized.
 A step is `--accum` forward+backward passes of B x T tokens (one table row per count given), then clipping and
 one AdamW update: the optimizer's fixed cost (it reads and writes 28 bytes a parameter; the embedding and head are
 2.35B of the 6.0B parameters at 4 layers) is spread over accum x B x T tokens, as in training with a global batch
@@ -230,8 +231,8 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="default: 4 for the release presets, preset's own else")
     ap.add_argument("--experts", type=int, default=None, help="routed experts (default: 8 for the release presets)")
     ap.add_argument("--topk", type=int, default=None,
-                    help="experts routed a token (default: the preset's, at most --experts); sparse routing: "
-                         "at most a quarter of them")
+                    help="experts routed a token, 1 to --experts (default: the preset's, at most --experts); the "
+                         "long-context issue's sparse routing is at most a quarter of the experts")
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="LoRA adapters of this rank (0: full fine-tuning): the base frozen in bf16, fp32 adapters; "
                          "MFU counts the frozen weights 4 FLOPs a parameter, not 6")
