@@ -191,7 +191,7 @@ def prefill_rows(a, cfg, device):
                 r = generate(params, small, [prompt], max_new_tokens=4, prefill_chunk=a.prefill_chunk,
                              backend=backend, on_prefill=lambda done, total, s: chunks.append(s))
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-                each = [b - a_ for a_, b in zip([0.0] + chunks, chunks)] if chunks else []
+                each = [b - a_ for a_, b in zip([0.0] + chunks, chunks)]      # the cumulative times, per chunk
                 split = " / ".join(f"{each[i]:.2f}" for i in (0, len(each) // 2, -1)) if each else ""
                 print(f"| {T:,} | {_backend(backend)}, chunks of {a.prefill_chunk:,} | {r.prefill_s:.1f} | "
                       f"{T / r.prefill_s:,.0f} | {split} | {peak:.1f} |", flush=True)
