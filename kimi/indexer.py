@@ -18,7 +18,6 @@ query t iff lo_t <= s < hi_t, i.e. s <= t in t's document (or, with a cache, fro
 from __future__ import annotations
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
 from . import ops
@@ -52,7 +51,7 @@ def indexer_inputs(p: dict, x: Tensor, q_resid: Tensor, cfg, pos: Tensor) -> tup
             (`KeyRanges.positions`).
     """
     n, d = cfg.index_n_heads, cfg.index_head_dim
-    q = rearrange(linear(q_resid, p["wq_b"]), "b t (n d) -> b t n d", n=n)
+    q = linear(q_resid, p["wq_b"]).unflatten(-1, (n, d))
     k = layer_norm(linear(x, p["wk"]), p["k_norm"], eps=1e-6)
     if cfg.index_rope_dim:
         q = _rope_half(q, pos, cfg.index_rope_dim, cfg.rope_theta)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor
 
 from . import cp as context_parallel
@@ -112,7 +111,7 @@ def kda_layer(p: dict, x: Tensor, cfg, backend, *, reset: Tensor | None = None, 
     H, K = la.num_heads, la.head_dim
     T = x.shape[1]
     dt = compute_dtype(x.dtype)
-    heads = lambda t: rearrange(t, "b t (h k) -> b t h k", h=H)
+    heads = lambda t: t.unflatten(-1, (H, -1))
     f = heads(linear(linear(x, p["f_a_proj"]), p["f_b_proj"]))
     g = kda_gate(f, p["A_log"], p["dt_bias"], la.gate_lower_bound)
     beta = torch.sigmoid(linear(x, p["b_proj"]).to(dt))               # fp32 before the sigmoid
@@ -170,4 +169,4 @@ def _output(p: dict, x: Tensor, o: Tensor, cfg, heads) -> Tensor:
     else:
         gate = linear(linear(x, p["g_a_proj"]), p["g_b_proj"])
     o = gated_rms_norm(o, heads(gate), p["o_norm"]["weight"], cfg.rms_norm_eps)
-    return linear(rearrange(o, "b t h v -> b t (h v)"), p["o_proj"])
+    return linear(o.flatten(-2), p["o_proj"])

@@ -16,7 +16,6 @@ kimi/ops/sparse_attention.py).
 from __future__ import annotations
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
 from . import indexer, ops
@@ -44,7 +43,7 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, ranges: KeyRanges, cache: dic
     else:
         q_resid = rms_norm(linear(x, p["q_a_proj"]), p["q_a_layernorm"], eps=1e-6)  # the LoRA norms' eps
         q = linear(q_resid, p["q_b_proj"])
-    q = rearrange(q, "b t (h d) -> b t h d", h=H)
+    q = q.unflatten(-1, (H, -1))
     c, k_pe = linear(x, p["kv_a_proj_with_mqa"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
     latent = torch.cat([rms_norm(c, p["kv_a_layernorm"], eps=1e-6), k_pe], dim=-1)   # [B, T, R + d_r]
     select = cfg.has_indexer and ranges.span > cfg.index_topk
@@ -67,7 +66,7 @@ def gated_mla(p: dict, x: Tensor, cfg, backend, *, ranges: KeyRanges, cache: dic
                                                 backend=backend)
     o = ops.sparse_mla(q, latent, p["kv_b_proj"]["weight"], ranges, topk_idx, scale=cfg.softmax_scale,
                        backend=backend)
-    o = rearrange(o, "b t h d -> b t (h d)")
+    o = o.flatten(-2)
     if cfg.mla_use_output_gate:
         o = o * torch.sigmoid(linear(x, p["g_proj"]))
     return linear(o, p["o_proj"])

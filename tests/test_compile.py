@@ -309,7 +309,6 @@ def test_recompiles_are_bounded_over_lengths_and_batches(params, attn):
     def check(B, T):
         ids, doc = _batch(B, T)
         with torch.no_grad():
-            # eager first: einops registers its torch backend on first use, and Dynamo guards on that registry
             want = kimi.forward(params, ids, CFG, backend, document_ids=doc)
             assert rel_err(compiled(params, ids, CFG, backend, document_ids=doc), want) < 1e-5
 

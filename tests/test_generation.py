@@ -142,6 +142,41 @@ def test_compiled_steps_equal_eager():
     assert got.tokens == ref.tokens
 
 
+_SECOND_CALL = """
+import torch, kimi
+from kimi import generation as gen
+from kimi.config import scaled
+cfg = scaled(kimi.preset("tiny"), num_layers=4, num_experts=8)
+params = kimi.init_params(cfg, seed=0)
+steps = gen.make_steps(cfg, kimi.Backend(), True, {"backend": "aot_eager"})
+prompt = torch.randint(0, cfg.vocab_size, (40,)).tolist()
+graphs = lambda *_: print(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+for _ in range(2):   # two chunks of 20: the second has the first's shapes, only the cache behind it is fuller
+    gen.generate(params, cfg, [prompt], max_new_tokens=3, steps=steps, compile=True, prefill_chunk=20,
+                 on_prefill=graphs)
+graphs()
+"""
+
+
+def test_same_shapes_compile_nothing_new():
+    """In a fresh interpreter, so that no global state is left over from other tests: a prefill chunk with the
+    previous chunk's shapes, and a second `generate` with the same steps and shapes, reuse the graphs made before
+    (a guard on state the first trace changes, such as a library's registry of tensor types, would recompile
+    them). AOT autograd traces (it runs the custom ops' fake kernels); Inductor is left out."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", _SECOND_CALL], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    chunk1, chunk2, again1, again2, end = map(int, out.stdout.split())
+    assert chunk1 > 0 and chunk2 == chunk1, f"graphs after the first chunk {chunk1}, after the second {chunk2}"
+    assert again1 == again2 == end, f"the second call compiled again: {again1}, {again2}, {end} graphs"
+
+
 def test_conversation_keeps_its_cache_across_turns(params):
     """Two turns through one cache: the second prefills only its own tokens (and the first reply's last token),
     and its greedy reply is the one a fresh generation over the whole conversation gives. A turn that does not fit

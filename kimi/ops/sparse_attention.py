@@ -28,7 +28,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor
 
 from ..common import compute_dtype
@@ -76,18 +75,18 @@ def _attend_shared(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) 
     [B, H, T, F]. The queries of all heads are one batched matmul against the shared keys, so no per-head copy of K
     or V is made (SDPA's math path and broadcasting matmuls would expand K to every head)."""
     B, H, T, E = q.shape
-    s = torch.bmm(rearrange(q, "b h t e -> b (t h) e"), k.transpose(1, 2)) * scale
-    s = rearrange(s, "b (t h) s -> b t h s", h=H).to(compute_dtype(s.dtype))
+    s = torch.bmm(q.transpose(1, 2).reshape(B, T * H, E), k.transpose(1, 2)) * scale
+    s = s.unflatten(1, (T, H)).to(compute_dtype(s.dtype))
     has_key = keep.any(-1)[:, :, None, None]                                   # [B, T, 1, 1]
     s = s.masked_fill(~keep[:, :, None], float("-inf")).masked_fill(~has_key, 0.0)
     p = torch.softmax(s, dim=-1) * has_key
-    o = torch.bmm(rearrange(p.to(v.dtype), "b t h s -> b (t h) s"), v)
-    return rearrange(o, "b (t h) f -> b h t f", h=H)
+    o = torch.bmm(p.to(v.dtype).flatten(1, 2), v)
+    return o.unflatten(1, (T, H)).transpose(1, 2)
 
 
 def _expand_kv(c: Tensor, k_pe: Tensor, kv_b: Tensor, H: int, dn: int) -> tuple[Tensor, Tensor]:
     """Per-head keys [B, H, S, d_n + d_r] and values [B, H, S, d_v] from the latent through kv_b_proj."""
-    W = rearrange(kv_b, "(h d) r -> h d r", h=H)                               # [H, d_n + d_v, R]
+    W = kv_b.unflatten(0, (H, -1))                             # [H, d_n + d_v, R]
     k_nope, v = torch.einsum("bsr,hdr->bhsd", c, W).split([dn, W.shape[1] - dn], dim=-1)
     k = torch.cat([k_nope, k_pe[:, None].expand(-1, H, -1, -1)], dim=-1)      # k_pe shared by all heads
     return k, v
@@ -118,7 +117,7 @@ def absorb_query(q: Tensor, kv_b: Tensor, d_r: int) -> Tensor:
     """The absorbed query [B, T, H, R + d_r] = [W_UKᵀ q_nope ; q_rope] (docs/numerics.md#absorbed-form)."""
     H = q.shape[2]
     dn = q.shape[-1] - d_r
-    W_uk = rearrange(kv_b, "(h d) r -> h d r", h=H)[:, :dn]
+    W_uk = kv_b.unflatten(0, (H, -1))[:, :dn]
     if torch.compiler.is_compiling():   # Inductor plans the matmul's output into the concatenation itself
         q_nope, q_pe = q.split([dn, d_r], dim=-1)
         return torch.cat([torch.einsum("bthd,hdr->bthr", q_nope, W_uk), q_pe], dim=-1)
@@ -165,7 +164,7 @@ class _AbsorbQuery(torch.autograd.Function):
 
 def unabsorb_output(o_lat: Tensor, kv_b: Tensor, d_n: int) -> Tensor:
     """o [B, T, H, d_v] = W_UV o_lat from the attention output over the latent o_lat [B, T, H, R]."""
-    W_uv = rearrange(kv_b, "(h d) r -> h d r", h=o_lat.shape[2])[:, d_n:]
+    W_uv = kv_b.unflatten(0, (o_lat.shape[2], -1))[:, d_n:]
     return torch.einsum("bthr,hdr->bthd", o_lat, W_uv)
 
 
