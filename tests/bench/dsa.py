@@ -28,7 +28,8 @@ and the input. fwd+bwd differentiates every weight but the frozen indexer's, and
 (where the layer's time goes).
 
 Prefill (`--prefill`, default 131072 and 32768 tokens): `kimi.generation.generate` as generate.py runs it (its
-default backend or those `--prefill-backends` names, chunks of 8,192 tokens into the cache, eager) on the preset
+default backend or those `--prefill-backends` names, chunks of 8,192 tokens into the cache, compiled per distinct
+layer on CUDA as generate.py does, after an untimed compiling call; `--no-prefill-compile`: eager) on the preset
 scaled to 4 layers and 8 experts, one prompt, 4 new tokens: prefill seconds, tokens/s, the first, middle and last
 chunk's seconds (how the time grows with the cache behind a chunk), peak memory; with `--profile` then the CUDA
 kernels of the same prefill, per chunk.
@@ -52,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kimi  # noqa: E402
 from kimi.config import scaled  # noqa: E402
-from kimi.generation import DEFAULT_BACKEND, generate  # noqa: E402
+from kimi.generation import DEFAULT_BACKEND, generate, make_steps  # noqa: E402
 from kimi.mla import gated_mla  # noqa: E402
 from kimi.ranges import document_ranges  # noqa: E402
 from kernel_profile import profile_kernels  # noqa: E402
@@ -172,6 +173,7 @@ def prefill_rows(a, cfg, device):
     params = kimi.init_params(small, dtype="bfloat16", device=device, draw_on_device=device.type == "cuda")
     for leaf in (v for _, v in kimi.params.tree_items(params)):
         leaf.requires_grad_(False)
+    compiled = a.prefill_compile if a.prefill_compile is not None else device.type == "cuda"
     print("| prompt tokens | backend | prefill s | tokens/s | first / middle / last chunk s | peak GiB |\n"
           "|---|---|---|---|---|---|", flush=True)
     for spec in a.prefill_backends:
@@ -181,6 +183,7 @@ def prefill_rows(a, cfg, device):
         except (TypeError, ValueError) as e:
             sys.exit(f"--prefill-backends {spec!r}: expected 'default' or field=value pairs of kimi.Backend joined "
                      f"by commas ({e})")
+        steps = make_steps(small, backend, compile=compiled)     # one set per backend: compiled once
         for T in a.prefill:
             prompt = torch.randint(0, small.vocab_size, (T,)).tolist()
             if device.type == "cuda":
@@ -188,12 +191,19 @@ def prefill_rows(a, cfg, device):
                 torch.cuda.reset_peak_memory_stats(device)
             chunks = []
             try:
+                if compiled:     # the first call compiles (and a new cache length recompiles once): untimed
+                    t0 = time.perf_counter()
+                    generate(params, small, [prompt], max_new_tokens=4, prefill_chunk=a.prefill_chunk,
+                             backend=backend, steps=steps)
+                    print(f"  ({T:,} tokens, {_backend(backend)}: the first, compiling call took "
+                          f"{time.perf_counter() - t0:.1f} s)", flush=True)
                 r = generate(params, small, [prompt], max_new_tokens=4, prefill_chunk=a.prefill_chunk,
-                             backend=backend, on_prefill=lambda done, total, s: chunks.append(s))
+                             backend=backend, steps=steps, on_prefill=lambda done, total, s: chunks.append(s))
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
                 each = [b - a_ for a_, b in zip([0.0] + chunks, chunks)]      # the cumulative times, per chunk
                 split = " / ".join(f"{each[i]:.2f}" for i in (0, len(each) // 2, -1)) if each else ""
-                print(f"| {T:,} | {_backend(backend)}, chunks of {a.prefill_chunk:,} | {r.prefill_s:.1f} | "
+                print(f"| {T:,} | {_backend(backend)}, {'compiled' if compiled else 'eager'}, chunks of "
+                      f"{a.prefill_chunk:,} | {r.prefill_s:.2f} | "
                       f"{T / r.prefill_s:,.0f} | {split} | {peak:.1f} |", flush=True)
             except torch.OutOfMemoryError as e:
                 print(f"| {T:,} | {_backend(backend)} | out of memory ({str(e).splitlines()[0][:80]}) | | | |",
@@ -202,7 +212,7 @@ def prefill_rows(a, cfg, device):
             if a.profile and device.type == "cuda":   # after the timed run: the kernels are compiled
                 n = -(-T // a.prefill_chunk)
                 profile_kernels(lambda: (generate(params, small, [prompt], max_new_tokens=1,
-                                                  prefill_chunk=a.prefill_chunk, backend=backend),
+                                                  prefill_chunk=a.prefill_chunk, backend=backend, steps=steps),
                                          torch.cuda.synchronize()), n,
                                 f"profile, prefill of {T:,} tokens ({_backend(backend)}), per chunk", top=40)
 
@@ -235,6 +245,9 @@ def main():
     ap.add_argument("--prefill-backends", nargs="*", default=["default"],
                     help="generate's backend for the prefill rows: 'default' or Backend fields, e.g. "
                          "'kda=triton,attn=triton'")
+    ap.add_argument("--prefill-compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile the prefill per distinct layer, as generate.py does (default: on CUDA); the "
+                         "first, compiling call of each row is untimed")
     a = ap.parse_args()
     device = torch.device(a.device)
     torch.backends.cuda.matmul.allow_tf32 = True     # as train.py (--tf32): fp32 matmuls of bf16 values on TF32
