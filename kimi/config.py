@@ -264,8 +264,9 @@ class Backend:
     'triton' (the 'gather' path with the attention over the selected latents in Triton kernels, 96 heads native;
     a CUDA device, or the interpreter) or 'cudnn' (the 'gather' path on cuDNN Frontend's indexer, top-k and SM90
     sparse backward, the forward `sparse_fwd`; an SM90+ GPU and `pip install 'kimi[cudnn]'`, checked here).
-    'auto' picks 'triton' on a GPU in bf16/fp16 ('gather' elsewhere) past 32,768 keys without a cache and past
-    8,192 slots or 2^24 (query, key) pairs with one, 'gather' for short documents (docs/architecture.md#backends)."""
+    'auto' picks 'triton' on a GPU in bf16/fp16 at any length without a cache and past 8,192 slots or 2^24
+    (query, key) pairs with one; elsewhere 'gather' past 32,768 keys or those cache sizes; 'gather' for short
+    documents (docs/architecture.md#backends)."""
     mla_form: MLAForm = "auto"
     """'expanded' (per-head K/V through kv_b_proj) or 'absorbed' (kv_b_proj folded into the query and the
     output: attention over the 576-wide shared latent, the form sparse kernels and decoding use)."""

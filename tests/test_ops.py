@@ -62,7 +62,12 @@ def test_resolve_on_a_gpu(monkeypatch):
     got = ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, tokens=ops.GEMV_MAX_TOKENS, cached=True)
     assert got == Backend(attn="eager", mla_form="absorbed", kda="chunk_triton", moe="gemv")
     got = ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, tokens=ops.GEMV_MAX_TOKENS + 1)
-    assert got == Backend(attn="sdpa", mla_form="expanded", kda="chunk_triton", moe="grouped")
+    assert got == Backend(attn="sdpa", mla_form="expanded", kda="chunk_triton", moe="grouped")   # no key count
+    short = dict(device=CUDA, queries=4096, keys=4096)   # no cache: the kernels at any length, not the dense mask
+    assert ops.resolve(Backend(), dtype=torch.bfloat16, **short) == Backend(
+        attn="triton", mla_form="absorbed", kda="chunk_triton", moe="grouped")
+    assert ops.resolve(Backend(), dtype=torch.float32, **short).attn == "sdpa"
+    assert ops.resolve(Backend(mla_form="expanded"), dtype=torch.bfloat16, **short).attn == "sdpa"
     bound = ops.delta_rule.GATE_BOUND
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.bfloat16, gate_lower_bound=bound).kda == "triton"
     assert ops.resolve(Backend(), device=CUDA, dtype=torch.float16, gate_lower_bound=bound + 1).kda == "triton"

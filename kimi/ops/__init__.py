@@ -66,10 +66,11 @@ GEMV_MAX_TOKENS = 64
 """`moe="auto"` runs the gemv kernel for at most this many tokens (decoding), the grouped GEMM above."""
 
 DENSE_MASK_MAX_KEYS = 32768
-"""Without a cache `attn="auto"` runs the dense-mask SDPA reference for at most this many keys: up to 32K tokens it
-is faster than the torch 'gather' path and holds less memory (docs/performance.md#sparse-attention); beyond,
-'triton' on a GPU in bf16/fp16, else 'gather', and 'gather' whenever every candidate is attended (dense attention
-over the ranges needs no T×T mask)."""
+"""Without a cache and without the Triton kernels (a CPU, fp32) `attn="auto"` runs the dense-mask SDPA reference
+for at most this many keys: up to 32K tokens it is faster than the torch 'gather' path and holds less memory
+(docs/performance.md#sparse-attention); beyond, 'gather', and 'gather' whenever every candidate is attended (dense
+attention over the ranges needs no T×T mask). Where the kernels run (a GPU, bf16/fp16) 'triton' is taken at every
+length: its layer ties the dense mask at 2,048 tokens and is faster from there on."""
 
 DENSE_MASK_MAX_SLOTS_CACHED = 8192
 DENSE_MASK_MAX_PAIRS_CACHED = 1 << 24
@@ -90,11 +91,12 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
       bounded gate (`gate_lower_bound` ≥ `delta_rule.GATE_BOUND`), 'chunk_triton' for other gates and fp32 (not
       for float64); 'chunk_opaque' while torch.compile traces on a CPU (Inductor's CPU code generation for the
       traced chunk algebra takes minutes); else 'chunk'.
-    - attn: without a cache for more than `DENSE_MASK_MAX_KEYS` keys, with a cache for more than 8,192 slots or
-      `DENSE_MASK_MAX_PAIRS_CACHED` (query, key) pairs: 'triton' (a CUDA device with Triton, bf16 or fp16) or
-      'gather', and 'gather' when every candidate is attended (`every_candidate`: documents no longer than
-      index_topk, or no indexer); unless mla_form='expanded' is asked for. Otherwise 'sdpa' for the expanded form
-      and 'eager' for the absorbed one.
+    - attn: 'triton' (a CUDA device with Triton, bf16 or fp16) without a cache at any length, with a cache for
+      more than 8,192 slots or `DENSE_MASK_MAX_PAIRS_CACHED` (query, key) pairs; where the kernels do not run,
+      'gather' without a cache for more than `DENSE_MASK_MAX_KEYS` keys and with a long cache as above; 'gather'
+      when every candidate is attended (`every_candidate`: documents no longer than index_topk, or no indexer);
+      all unless mla_form='expanded' is asked for. Otherwise 'sdpa' for the expanded form and 'eager' for the
+      absorbed one.
     - sparse_fwd (attn='cudnn' only): 'flashmla' where FlashMLA imports, else 'triton'.
     - mla_form: 'absorbed' for attn='gather', 'triton' or 'cudnn' and with a decode cache (attention over the
       cached 576-wide latents, nothing re-expanded), 'expanded' without one (or with attn='sdpa').
@@ -115,13 +117,14 @@ def resolve(backend: Backend, *, device: torch.device, dtype: torch.dtype, token
             kda = "chunk_opaque" if device.type == "cpu" and torch.compiler.is_compiling() else "chunk"
     form, attn = backend.mla_form, backend.attn
     if attn == "auto" and form != "expanded" and keys is not None:
+        # The Triton kernels beat the torch gather at every length measured, without a cache (an H200 layer) and
+        # with one (prefill into a 131,072-token cache, decode steps against it), and the dense mask without a
+        # cache from 2,048 tokens on (the layer, and training steps at 32K): docs/performance.md
+        kernels = not every_candidate and triton_here and dtype in (torch.bfloat16, torch.float16)
         if cached:
             dense = keys <= DENSE_MASK_MAX_SLOTS_CACHED and (queries or 1) * keys <= DENSE_MASK_MAX_PAIRS_CACHED
         else:
-            dense = keys <= DENSE_MASK_MAX_KEYS and not every_candidate
-        # The Triton kernels beat the torch gather at every length measured, without a cache (an H200 layer) and
-        # with one (prefill into a 131,072-token cache, decode steps against it): docs/performance.md
-        kernels = not every_candidate and triton_here and dtype in (torch.bfloat16, torch.float16)
+            dense = keys <= DENSE_MASK_MAX_KEYS and not every_candidate and not kernels
         attn = attn if dense else ("triton" if kernels else "gather")
     if form == "auto":
         form = "absorbed" if attn in ("gather", "triton", "cudnn") or (cached and attn != "sdpa") else "expanded"
