@@ -32,7 +32,7 @@ default backend or those `--prefill-backends` names, chunks of 8,192 tokens into
 layer on CUDA as generate.py does, after an untimed compiling call; `--no-prefill-compile`: eager) on the preset
 scaled to 4 layers and 8 experts, one prompt, 4 new tokens: prefill seconds, tokens/s, the first, middle and last
 chunk's seconds (how the time grows with the cache behind a chunk), peak memory; with `--profile` then the CUDA
-kernels of the same prefill, per chunk.
+kernels of the same call (the prefill and its 4 decode steps), per chunk.
 
     PYTHONPATH=. python tests/bench/dsa.py --tokens --prefill 8192 131072 --prefill-backends default kda=chunk_opaque
 """
@@ -211,7 +211,8 @@ def prefill_rows(a, cfg, device):
                 continue
             if a.profile and device.type == "cuda":   # after the timed run: the kernels are compiled
                 n = -(-T // a.prefill_chunk)
-                profile_kernels(lambda: (generate(params, small, [prompt], max_new_tokens=1,
+                # the timed call's max_new_tokens: the same cache length, so a compiled prefill does not recompile
+                profile_kernels(lambda: (generate(params, small, [prompt], max_new_tokens=4,
                                                   prefill_chunk=a.prefill_chunk, backend=backend, steps=steps),
                                          torch.cuda.synchronize()), n,
                                 f"profile, prefill of {T:,} tokens ({_backend(backend)}), per chunk", top=40)
