@@ -165,8 +165,8 @@ class TrainConfig:
     """Gated MLA's attention (`kimi.Backend.attn`); auto: from key ranges, nothing of size T×T: on a GPU in bf16
     'triton' (the Triton indexer and sparse attention) at every length, elsewhere 'gather' past 32,768 tokens and
     SDPA with a dense mask below; 'gather' (dense attention, no indexer) when every document fits in index_topk.
-    'cudnn':
-    cuDNN Frontend's indexer and sparse backward (Hopper, `pip install '.[cudnn]'`), the forward --sparse-fwd."""
+    'cudnn': cuDNN Frontend's indexer and sparse backward (Hopper, `pip install '.[cudnn]'`), the forward
+    --sparse-fwd."""
     sparse_fwd: Literal["auto", "flashmla", "triton", "gather"] = "auto"
     """With --attn cudnn, the sparse attention forward (`kimi.Backend.sparse_fwd`); auto: FlashMLA where it imports,
     else the Triton kernels."""

@@ -160,9 +160,9 @@ graphs()
 
 def test_same_shapes_compile_nothing_new():
     """In a fresh interpreter, so that no global state is left over from other tests: a prefill chunk with the
-    previous chunk's shapes, and a second `generate` with the same steps and shapes, reuse the graphs made before
-    (a guard on state the first trace changes, such as a library's registry of tensor types, would recompile
-    them). AOT autograd traces (it runs the custom ops' fake kernels); Inductor is left out."""
+    previous chunk's shapes, and a second `generate` with the same steps and shapes, reuse the graphs made before.
+    A guard on state that the first trace changes (einops' registry of tensor types was one) recompiles them on the
+    second chunk. AOT autograd traces (it runs the custom ops' fake kernels); Inductor is left out."""
     import os
     import subprocess
     import sys

@@ -16,7 +16,7 @@ kv rank 512, indexer 64 x 128 choosing 2,048 keys), B = 1, bf16, random weights,
 - `gather, documents of 2,048`: the same layer on packed documents of index_topk tokens with the bound passed
   (`max_document_len`): no indexer, dense document-causal attention over a key window per query block;
 - `sdpa (dense mask)`: the expanded form through SDPA with a [T, T] mask, the path `attn="auto"` took for every
-  length before (and still takes without a cache up to 32,768 keys);
+  length before (and still takes without a cache up to 32,768 keys on a CPU or in fp32);
 - `dense causal flash attention`: `F.scaled_dot_product_attention(is_causal=True)` on the expanded per-head q, k, v
   alone (no projections, no indexer): what dense attention costs with a fused kernel.
 
@@ -197,6 +197,9 @@ def prefill_rows(a, cfg, device):
                              backend=backend, steps=steps)
                     print(f"  ({T:,} tokens, {_backend(backend)}: the first, compiling call took "
                           f"{time.perf_counter() - t0:.1f} s)", flush=True)
+                    if device.type == "cuda":        # the peak of the timed call alone
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats(device)
                 r = generate(params, small, [prompt], max_new_tokens=4, prefill_chunk=a.prefill_chunk,
                              backend=backend, steps=steps, on_prefill=lambda done, total, s: chunks.append(s))
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")

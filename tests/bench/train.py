@@ -245,8 +245,9 @@ def main():
     ap.add_argument("--tell-lengths", action=argparse.BooleanOptionalAction, default=True,
                     help="pass the document length to the model as max_document_len (train.py does)")
     ap.add_argument("--attn", default="auto", choices=["auto", "eager", "sdpa", "gather", "triton", "cudnn"],
-                    help="train.py's --attn (auto: sdpa in the expanded form up to 32K keys; triton: the Triton "
-                         "indexer and sparse MLA; cudnn: cuDNN Frontend's indexer and sparse backward)")
+                    help="train.py's --attn (auto: triton on a GPU in bf16, else sdpa in the expanded form up to 32K "
+                         "keys; triton: the Triton indexer and sparse MLA; cudnn: cuDNN Frontend's indexer and "
+                         "sparse backward)")
     ap.add_argument("--sparse-fwd", default="auto", choices=["auto", "flashmla", "triton", "gather"],
                     help="train.py's --sparse-fwd: the sparse forward under --attn cudnn")
     ap.add_argument("--kda", default="auto", choices=["auto", "chunk", "chunk_opaque", "chunk_triton", "triton"],
