@@ -26,6 +26,9 @@
 #   bash tests/bench/gpu_all.sh fsdp-eager                 # 2 GPUs (FSDP2) against 1: loss per step, tokens/s
 #   bash tests/bench/gpu_all.sh fsdp                       # the same compiled (two medium compiles)
 #   bash tests/bench/gpu_all.sh fsdp-fp32                  # fsdp-eager in fp32 without TF32: parity to rounding
+#   bash tests/bench/gpu_all.sh long-prefill               # generate's compiled prefill of 131,072 tokens, profiled
+#   bash tests/bench/gpu_all.sh long-train                 # 1 x 32768, 64 experts top 16, LoRA, recompute, profiled
+#   bash tests/bench/gpu_all.sh long-train-64k             # the same at 1 x 65536, not profiled
 # Each part prints "<part> rc=<exit code> <seconds> s" at the end of its file; rc 124 means it hit its limit.
 set -u
 cd "$(dirname "$0")/../.."
@@ -91,6 +94,12 @@ for part in "$@"; do
     fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
     fsdp-fp32) run fsdp-fp32 580 python -W ignore tests/bench/fsdp.py --compile off --dtype float32 --no-tf32 \
                  --steps 12 ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-attn, train-chunk, recompute, recompute-long, sparse-tests, sparse, sparse-tune, cudnn-tests, kda-triton-tests, kda, kda-quick, kda-decode-sweep, decode-graphs, fsdp, fsdp-eager, fsdp-fp32)"; exit 2 ;;
+    long-prefill) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+                    run long-prefill 300 python -W ignore tests/bench/dsa.py --tokens --prefill 131072 --profile ;;
+    long-train|long-train-64k)   # the long-context issue's training rows: LoRA over a frozen bf16 base
+      if [ "$part" = long-train ]; then args=(--seq 32768 --profile); else args=(--seq 65536); fi
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run "$part" 330 python -W ignore tests/bench/train.py \
+        --experts 64 --topk 16 --lora-rank 16 --recompute --warmup 1 --steps 2 "${args[@]}" ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-attn, train-chunk, recompute, recompute-long, sparse-tests, sparse, sparse-tune, cudnn-tests, kda-triton-tests, kda, kda-quick, kda-decode-sweep, decode-graphs, fsdp, fsdp-eager, fsdp-fp32, long-prefill, long-train, long-train-64k)"; exit 2 ;;
   esac
 done
