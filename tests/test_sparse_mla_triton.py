@@ -165,6 +165,34 @@ def test_slot_major_at_release_widths(bwd_cfg):
                              fwd_cfg=F(heads=(32, 32, 32), block_k=64, slot_major=True), bwd_cfg=bwd_cfg)
 
 
+def test_the_op_honours_torch_deterministic_algorithms(monkeypatch):
+    """`kimi::sparse_mla_triton`'s backward takes the fixed-order dlatent exactly when PyTorch's deterministic mode
+    is on (the kernels of both paths are tested against float64 above and, at release sizes, for bitwise
+    reproduction on the GPU), and its gradients match the reference either way."""
+    from kimi.ops.sparse_attention import sparse_mla_triton
+    asked = []
+    real = sm.sparse_mla_bwd_triton
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["deterministic"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sm, "sparse_mla_bwd_triton", spy)
+    q, lat, do, _ = _inputs(1, 3, 4, 20, 48, 32, torch.float32)
+    idx = _selection(1, 3, 20, 8)
+    _, _, dq_r, dl_r = _reference(q, lat, idx, do, None, 0.3, 32)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for on in (False, True):
+            torch.use_deterministic_algorithms(on)
+            qg, lg = q.clone().requires_grad_(), lat.clone().requires_grad_()
+            o, _ = sparse_mla_triton(qg, lg, idx, scale=0.3, d_v=32)
+            o.backward(do)
+            assert rel_err(qg.grad, dq_r) < TOL[torch.float32] and rel_err(lg.grad, dl_r) < TOL[torch.float32]
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert asked == [False, True]
+
+
 @pytest.mark.parametrize("bwd_cfg, deterministic", [
     (Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_gemm=True, gemm_block_k=16, gemm_block_n=16,
         gemm_block_j=32), False),

@@ -403,8 +403,10 @@ def _(q, latent, indices, *, scale, d_v):
 def sparse_mla_triton_bwd(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                           dlse: Tensor | None, *, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
     """(dq, dlatent) of `sparse_mla_triton` (`kernels.sparse_mla_bwd_triton`: dlatent accumulated in fp32 by
-    atomics)."""
-    return kernels.sparse_mla_bwd_triton(q, latent, indices, o, lse, do, dlse, scale=scale, d_v=d_v)
+    atomics, or, under `torch.use_deterministic_algorithms(True)`, summed in a fixed order: bitwise reproducible,
+    at twice dlatent's memory traffic)."""
+    return kernels.sparse_mla_bwd_triton(q, latent, indices, o, lse, do, dlse, scale=scale, d_v=d_v,
+                                         deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 @sparse_mla_triton_bwd.register_fake
