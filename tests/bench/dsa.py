@@ -218,7 +218,8 @@ def prefill_rows(a, cfg, device):
                 profile_kernels(lambda: (generate(params, small, [prompt], max_new_tokens=4,
                                                   prefill_chunk=a.prefill_chunk, backend=backend, steps=steps),
                                          torch.cuda.synchronize()), n,
-                                f"profile, prefill of {T:,} tokens ({_backend(backend)}), per chunk", top=40)
+                                f"profile, prefill of {T:,} tokens ({_backend(backend)}), per chunk", top=40,
+                                ops=25)
 
 
 def _backend(b):

@@ -206,7 +206,8 @@ def bench(a) -> list[dict]:
             print("  " + _row(row), flush=True)
     if a.profile and device.type == "cuda":
         from kernel_profile import profile_kernels
-        profile_kernels(lambda: (step(1), sync()), 1, "profile, one training step (one micro-batch)", top=70)
+        profile_kernels(lambda: (step(1), sync()), 1, "profile, one training step (one micro-batch)", top=70,
+                        ops=30)
     return rows
 
 
