@@ -21,7 +21,8 @@ depends on the batch and expert parallelism).
 
 Model FLOPs per token: `kimi.training.model_flops_per_token` (6 x active matmul parameters, plus the attention,
 KDA-state and indexer terms, documented there; under `--lora-rank` the frozen base counts 4 a parameter and the
-adapters 6). `--topk` routes each token to fewer experts (sparse routing, as the release's 16 of 896);
+adapters 6). `--topk` routes each token to fewer experts (sparse routing, as the release's 16 of 896; the router's own
+balance on the random tokens is printed after the timing, per MoE layer);
 `--lora-rank` freezes the base in bf16 with fp32 adapters (`--lora-targets`), so many more experts fit.
 MFU = tokens/s x FLOPs per token / peak (`kimi.training.peak_flops`, dense bf16). Timing: `--warmup` steps
 (compilation), then the median of `--steps` steps, synchronized.
@@ -204,11 +205,39 @@ def bench(a) -> list[dict]:
         if row is not None:
             rows.append(row)
             print("  " + _row(row), flush=True)
+    if world == 1 and cfg.num_experts and cfg.num_experts_per_token < cfg.num_experts:
+        print("  " + routing_balance(params, cfg, backend, ids, doc), flush=True)
     if a.profile and device.type == "cuda":
         from kernel_profile import profile_kernels
         profile_kernels(lambda: (step(1), sync()), 1, "profile, one training step (one micro-batch)", top=70,
                         ops=30)
     return rows
+
+
+def routing_balance(params: dict, cfg, backend, ids, doc) -> str:
+    """How evenly the router spreads these tokens over the experts: one eager forward without the head and without
+    gradients (the adapters left out: LoRA's B starts at zero), recording every MoE layer's expert choices. Returns
+    a line with each layer's busiest expert's tokens over the mean and the experts that got none."""
+    from kimi import moe
+    counts = []
+    route = moe.route
+
+    def recording(p, x, c):
+        idx, w = route(p, x, c)
+        counts.append(torch.bincount(idx.flatten(), minlength=c.num_experts).float())
+        return idx, w
+    moe.route = recording
+    try:
+        with torch.no_grad():
+            kimi.forward(params, ids, cfg, backend, document_ids=doc, head=False)
+    except torch.OutOfMemoryError:
+        return "routing balance: out of memory for its extra forward"
+    finally:
+        moe.route = route
+    peak = ", ".join(f"{float(c.max() / c.mean()):.2f}" for c in counts)
+    idle = ", ".join(str(int((c == 0).sum())) for c in counts)
+    return (f"routing of these random tokens, per MoE layer: the busiest expert's tokens over the mean {peak}; "
+            f"experts without a token {idle} (of {cfg.num_experts}, top {cfg.num_experts_per_token})")
 
 
 _HEADER = ("| model | params | active | device | [accum x] B x T | logits | compiled | step ms | tokens/s | TFLOP/s | "
