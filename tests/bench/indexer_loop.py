@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kimi.ops.registry import sm_count, tl, triton  # noqa: E402
+from sparse_kernels import measure  # noqa: E402
 
 NI, DI = 64, 128
 MODES = {"dot": 0, "sum": 1, "keep": 2, "branch": 3, "window": 4, "dense": 5, "any": 6}
@@ -163,20 +164,6 @@ def _loop_kernel(q_ptr, k_ptr, w_ptr, thr_ptr, out_ptr, buf_ptr, kdesc, T, NTB, 
         task += nprog
 
 
-def time_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 VARIANTS = {                  # name: (mode, NQ, BN, TMA, warps, stages, programs an SM)
     "dot halves": ("dot", 2, 64, False, 4, 3, 2),
     "sum halves": ("sum", 2, 64, False, 4, 3, 2),
@@ -239,7 +226,7 @@ def main():
                                                  MODE=MODES[mode], TMA=tma, num_warps=warps, num_stages=stages)
             try:
                 kern = run()
-                ms = time_ms(run, a.iters)
+                ms = measure(run, a.iters)[0]
                 print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {kern.n_regs} | {kern.n_spills} | "
                       f"{kern.metadata.shared // 1024} |", flush=True)
             except Exception as e:   # a variant that does not compile or fit: report it, go on
