@@ -186,9 +186,6 @@ def prefill_rows(a, cfg, device):
         steps = make_steps(small, backend, compile=compiled)     # one set per backend: compiled once
         for T in a.prefill:
             prompt = torch.randint(0, small.vocab_size, (T,)).tolist()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
             chunks = []
             try:
                 if compiled:     # the first call compiles (and a new cache length recompiles once): untimed
@@ -197,9 +194,9 @@ def prefill_rows(a, cfg, device):
                              backend=backend, steps=steps)
                     print(f"  ({T:,} tokens, {_backend(backend)}: the first, compiling call took "
                           f"{time.perf_counter() - t0:.1f} s)", flush=True)
-                    if device.type == "cuda":        # the peak of the timed call alone
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats(device)
+                if device.type == "cuda":            # the peak of the timed call alone
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
                 r = generate(params, small, [prompt], max_new_tokens=4, prefill_chunk=a.prefill_chunk,
                              backend=backend, steps=steps, on_prefill=lambda done, total, s: chunks.append(s))
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
