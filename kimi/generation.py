@@ -19,10 +19,10 @@ from .model import compile_layers, forward
 
 DEFAULT_BACKEND = Backend()
 """generate's default: every field 'auto' (`kimi.ops.resolve`). On a GPU in bf16 that is the Triton KDA kernels
-(K3.1's bounded gate) and, past 8,192 cache slots, the Triton indexer and sparse attention over the cache: a
-131,072-token prefill in 4.6 s against 17.6 s with the opaque chunk core and the torch gather
-(docs/performance.md#long-context). Under torch.compile on a CPU the KDA core is the opaque chunk op (a short
-compile); the MLA form resolves to absorbed with a cache, attention over the shared latent."""
+(K3.1's bounded gate) and, past 8,192 cache slots, the Triton indexer and sparse attention over the cache, several
+times faster at long prompts than the opaque chunk core and the torch gather (docs/performance.md#long-context).
+Under torch.compile on a CPU the KDA core is the opaque chunk op (a short compile); the MLA form resolves to
+absorbed with a cache, attention over the shared latent."""
 
 
 class GenerateError(ValueError):
