@@ -34,7 +34,13 @@ tasks in snake order), and two queries a program over five programs, selecting b
 the next task free, each key block's dot issued before the previous block is taken; None below is the
 configuration `indexer_topk_triton` chooses (the final selection by histograms, two half dots a block, tasks to
 the first free program)."""
-PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30)]
+SELECT = _config(block_q=2, select_rows=6, key_split=64, sample=16, sample_run=4, select_chunk=16,
+                 select_capacity=32, select_programs=4, select_segments=4, select_step=4, halves=True)
+"""Scores then selection (`select_rows`): chunks of 6 queries (a ragged last chunk), key splits of two blocks,
+four selection programs each taking several queries; rows of more than 16 candidates selected through a sampled
+threshold, the row's pass in 4 segments of 4-key steps, at most 32 entries kept at it, so longer rows take the
+fallback (more entries at the threshold than that)."""
+PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30), (SELECT, 3), (SELECT, 12)]
 
 
 def _ints(*shape, dtype=torch.float32):
@@ -96,7 +102,7 @@ def test_exact_on_packed_documents(config, topk):
     _assert_exact(q, k, w, r.lo, r.hi, topk, True, config)
 
 
-@pytest.mark.parametrize("config", [None, *SMALL])
+@pytest.mark.parametrize("config", [None, *SMALL, SELECT])
 def test_exact_on_cached_and_arbitrary_ranges(config):
     """Without `causal` (a prefill chunk on a cache: rows starting at different slots, queries before a row's
     start are padding) and on arbitrary ranges, empty, reversed or past the keys on either side."""
@@ -128,6 +134,36 @@ def test_exact_through_many_compactions(order):
     for topk, config in ((5, _config(block_k=16, chunk=16, halves=True)), (37, None), (11, hist)):
         assert it._capacity(topk, 32 if config is None else 16, S) < S - 30     # compactions are needed
         _assert_exact(q, k.contiguous(), w, lo, hi, topk, False, config)
+    _assert_exact(q, k.contiguous(), w, lo, hi, 9, False, SELECT._replace(block_k=16, key_split=48, select_capacity=128))
+
+
+def _sampled(n: int, m: int, run: int) -> torch.Tensor:
+    """The offsets within a row of n candidates that `_indexer_select_kernel` samples (m keys in runs of `run`)."""
+    i = torch.arange(m)
+    return (i // run) * (n - run) // (m // run - 1) + i % run
+
+
+@pytest.mark.parametrize("sample_is", ["best", "worst", "tied"])
+def test_exact_when_the_sample_misleads(sample_is):
+    """Rows whose sampled keys are their best (the threshold keeps fewer than topk: the exact search over the row),
+    their worst (it keeps more than the capacity and more than topk lie above it: the same search), or tied with
+    all but three late keys (the threshold is the topk-th key, kept with its earliest ties in one pass over the
+    row): still the reference's selection, through the scores-then-selection path."""
+    B, T, S, n, d, topk = 1, 4, 200, 2, 16, 8
+    config = SELECT._replace(select_capacity=32, sample=32, sample_run=4)
+    picked = torch.zeros(S, dtype=torch.bool)
+    picked[_sampled(S, 32, 4)] = True
+    if sample_is == "tied":
+        value = torch.ones(S)
+        late = (~picked).nonzero()[-12::4, 0]
+        value[late] = torch.tensor([5.0, 3.0, 4.0])
+    else:
+        value = torch.randperm(S).float()
+        value[picked] += S if sample_is == "best" else -S
+    k = (value[None, :, None].expand(B, S, d) / d).contiguous().to(DEVICE)
+    q, w = torch.ones(B, T, n, d, device=DEVICE), torch.ones(B, T, n, device=DEVICE)
+    lo, hi = torch.zeros(B, T, dtype=torch.int64, device=DEVICE), torch.full((B, T), S, device=DEVICE)
+    _assert_exact(q, k, w, lo, hi, topk, False, config)
 
 
 @pytest.mark.parametrize("capacity", [0, 256])
@@ -198,6 +234,34 @@ if triton is not None:
     def _keys_kernel(x_ptr, y_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
         tl.store(y_ptr + i, it._score_key(tl.load(x_ptr + i)))
+
+
+if triton is not None:
+    @triton.jit
+    def _kth_kernel(x_ptr, out_ptr, N: tl.constexpr):
+        r = tl.program_id(0) + 1
+        kth, room = it._kth_key(tl.load(x_ptr + tl.arange(0, N)), r)
+        tl.store(out_ptr + 2 * r - 2, kth)
+        tl.store(out_ptr + 2 * r - 1, room)
+
+
+def test_kth_key_for_every_rank():
+    """`_kth_key` (the selection kernel's search of a tile) on int32 keys clustered in a few values across every bit
+    range (ties, both signs, the extremes) with INT32_MIN padding: for every r from 1 to the number of real keys,
+    the r-th largest key and how many of its ties are among the r largest, as sorting gives them."""
+    spots = torch.tensor([-2 ** 31 + 1, -2 ** 24, -257, -256, -1, 0, 1, 255, 256, 2 ** 16 + 3, 2 ** 24, 2 ** 31 - 1])
+    real = torch.cat([spots, spots[torch.randint(0, len(spots), (40,))] + torch.randint(0, 2, (40,))]).clamp(
+        -2 ** 31 + 1, 2 ** 31 - 1)
+    x = torch.full((64,), -2 ** 31, dtype=torch.int64)
+    x[:len(real)] = real
+    x = x[torch.randperm(64)].to(torch.int32).to(DEVICE)
+    out = torch.empty(2 * len(real), dtype=torch.int32, device=DEVICE)
+    _kth_kernel[(len(real),)](x, out, N=64)
+    desc = real.sort(descending=True).values
+    r = torch.arange(1, len(real) + 1)
+    kth = desc[r - 1]
+    room = r - (real[None, :] > kth[:, None]).sum(-1)
+    assert torch.equal(out.view(-1, 2).cpu().long(), torch.stack([kth, room], -1))
 
 
 def test_score_keys_order_as_the_scores():
@@ -283,6 +347,14 @@ def test_launch_configs_and_memory():
     cap = it._capacity(2048, c.block_k, 131072, c.capacity)
     assert cap == 3 * 2048
     assert c.programs * c.block_q * cap * 8 <= 50 * 2 ** 20                 # 51.9 MB, vs 64 GiB of fp32 scores
+    # the causal prefill's default, scores then selection: its workspace no larger than the output
+    assert c.select_rows and c.select_rows * 131072 * 4 <= 131072 * 2048 * 4
+    assert c.select_rows % c.block_q == 0 and c.key_split % c.block_k == 0
+    scratch = 2 * c.programs * c.select_segments * it._select_capacity(2048, c.sample, 131072) * 8
+    assert scratch <= 300 * 2 ** 20, scratch
+    assert not it.launch_config(1, 8192, 131072, 64, 128, 2048, causal=False, sms=sms, interpret=False).select_rows
+    assert not it.launch_config(1, 8192, 8192, 64, 128, 2048, causal=True, sms=sms, interpret=False,
+                                dtype=torch.float32).select_rows
     for B, S in ((1, 131072), (32, 131072), (4, 8192), (1, 4096)):
         c = it.launch_config(B, 1, S, 64, 128, 2048, causal=False, sms=sms, interpret=False)
         assert c.split and c.split % c.block_k == 0 and c.block_q == 1
@@ -298,10 +370,11 @@ def test_allocates_nothing_of_size_t_by_s():
     T = 96
     q, k, w = _inputs(1, T, T, n=2)
     t = torch.arange(T, device=DEVICE)[None]
-    with LargestTensor() as largest:
-        idx = it.indexer_topk_triton(q, k, w, torch.zeros_like(t), t + 1, topk=8, causal=True)
-    assert 0 < largest.bytes < T * T * 4, largest.bytes
-    assert torch.equal(idx, _expected(q, k, w, torch.zeros_like(t), t + 1, 8, True))
+    for config in (None, SELECT._replace(select_rows=16)):
+        with LargestTensor() as largest:
+            idx = _run(q, k, w, torch.zeros_like(t), t + 1, 8, True, config)
+        assert 0 < largest.bytes < T * T * 4, largest.bytes
+        assert torch.equal(idx, _expected(q, k, w, torch.zeros_like(t), t + 1, 8, True))
 
 
 def test_edge_shapes_and_errors():
@@ -329,8 +402,14 @@ ONE_DOT = None if triton is None else it.launch_config(
 three key stages: one dot a block, tasks in turn, two stages."""
 
 
+STREAM_RELEASE = None if triton is None else it.launch_config(
+    1, 6144, 6144, 64, 128, 2048, causal=True, sms=132, interpret=False)._replace(select_rows=0)
+"""The release's causal launch with the streaming top-k instead of its default scores then selection."""
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, _config(block_q=2, block_k=64, chunk=512, programs=264), ONE_DOT])
+@pytest.mark.parametrize("config", [None, _config(block_q=2, block_k=64, chunk=512, programs=264), ONE_DOT,
+                                    STREAM_RELEASE])
 def test_gpu_exact_release_shapes(config):
     """64 heads of 128, topk 2048, 6,144 tokens in two packed documents and a padded tail: equal to the reference
     on integer bf16 inputs (exact products and sums on the tensor cores), ties everywhere."""
@@ -354,6 +433,10 @@ def test_gpu_bf16_long_prefill_is_a_valid_topk():
     assert torch.equal(chosen.sum(-1), hi.clamp(max=topk))
     rows = torch.cat([torch.arange(2040, 2060, device=DEVICE), torch.randint(2048, T, (172,), device=DEVICE)])
     _assert_valid_topk(idx[:, rows], q[:, rows], k, w[:, rows], lo[:, rows], hi[:, rows], topk)
+    config = it.launch_config(B, T, T, n, d, topk, causal=True, sms=132, interpret=False)
+    assert config.select_rows                                            # the default scores then selects
+    for other in (config._replace(select_rows=0), config._replace(select_rows=4096, sample=8192)):
+        assert torch.equal(it.indexer_topk_launch(q, k, w, lo, hi, topk=topk, causal=True, config=other), idx)
 
 
 @pytest.mark.gpu

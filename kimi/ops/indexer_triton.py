@@ -1,5 +1,6 @@
 """Triton kernels of the indexer contract (`kimi::indexer_topk`, reference `lightning_index.indexer_topk_blocked`):
-scores fused with a streaming top-k, so no [T, S] score buffer exists (docs/numerics.md#indexer-scores, #top-k,
+scores fused with a streaming top-k, or (a causal prefill's default on a GPU) scores then selection over chunks of
+queries; no [T, S] score buffer exists either way (docs/numerics.md#indexer-scores, #top-k,
 #sparse-attention-contract).
 
     I[t, s] = Σ_j w[t, j] · ReLU(<q[t, j], k[s]>)       fp32 accumulation, over the candidates lo_t <= s < hi_t
@@ -46,6 +47,22 @@ on an H200 at topk = 2048 (BM = 4, CAP = 3·topk), whatever T and S. The query b
 first, to each program in turn (`order="cyclic"`), in rounds alternating direction (`"snake"`), or to whichever
 program is free next through a counter (`"dynamic"`: the longest remaining task to the first free program).
 
+**Scores then selection** (`IndexerLaunch.select_rows` > 0; the default of a causal prefill in 16 bits on a GPU).
+The queries are taken in chunks of select_rows (2,048) of every batch row, two kernels a chunk. The scores kernel
+(`_indexer_scores_kernel`, one program per block_q queries and key_split keys, the same dots and head sums as the
+streaming kernel) writes each candidate's order key at its position in the query's workspace row: [B·select_rows,
+S] int32, 1 GiB at S = 131,072, no more than the [T, topk] output of a causal prefill at topk = 2048; no key past
+the chunk's last query is scored. The selection kernel (`_indexer_select_kernel`, persistent programs) takes each
+query's row: at most topk candidates are all kept; a row of at most `sample` keys is loaded into registers and its
+topk-th key found by bisection on the key's bits (`_kth_key`, one reduction a bit); a longer row takes a threshold
+from a sample (runs of keys spread evenly over the row) set to keep about topk·(1 + 4/sqrt(e)) keys (e the sample's
+expected share of the best), one pass compacts the keys at or above it, in order, into the program's scratch (the
+row cut into segments, each compacted in its own part of the scratch), and the topk-th key is found among them in
+registers. Exact whatever the sample: when the threshold keeps fewer than topk, or more than the scratch holds with
+topk above it, the topk-th key is searched over the row (one pass a bit). The scoring loop holds no selection
+bookkeeping, which is what made the streaming kernel's loop slower than its dots (docs/performance.md, indexer
+rounds 6 and 7).
+
 **Decode.** Few queries (T <= 16, no `causal`) against a long cache: the key range is split into `cdiv(S, split)`
 pieces (split a multiple of BN, fixed by B, S and the SM count); program (b, piece) runs the same streaming top-k
 over its piece for a block of at most 4 queries and leaves its buffer (at most topk entries, ascending) and count
@@ -61,6 +78,7 @@ On the CPU the kernels run through Triton's interpreter (`TRITON_INTERPRET=1`), 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -382,6 +400,20 @@ if triton is not None:
         return tl.reshape(tl.permute(tl.join(sa, sb), (2, 0, 1)), [BM, BN])
 
     @triton.jit
+    def _query_operand(q_ptr, w_ptr, b, t0, T, H, D, dd, NQ: tl.constexpr, HP: tl.constexpr, UPCAST: tl.constexpr):
+        """Queries t0 .. t0 + NQ - 1 of batch row b as one [d, NQ·n] operand (column: query, head; queries past T
+        read the last one) and their head weights [NQ·n]."""
+        ch = tl.arange(0, NQ * HP)
+        head = ch % HP
+        h_mask = head < H
+        r = b.to(tl.int64) * T + tl.minimum(t0 + ch // HP, T - 1)
+        qt = tl.load(q_ptr + ((r * H + head) * D)[None, :] + dd[:, None], mask=h_mask[None, :] & (dd[:, None] < D),
+                     other=0.0)
+        if UPCAST:                             # the interpreter's 16-bit dot is wrong; fp32 products are exact
+            qt = qt.to(tl.float32)
+        return qt, tl.load(w_ptr + r * H + head, mask=h_mask, other=0.0)
+
+    @triton.jit
     def _dot_fence(never_ptr, never, BN: tl.constexpr):
         """A dot waited for at once: Triton's wait for it also waits for every dot issued before, which lets the
         previous key block's dot run on while the next block's scores are taken (a dot whose result only the next
@@ -410,10 +442,7 @@ if triton is not None:
         rm = tl.arange(0, BM)
         cn = tl.arange(0, BN)
         dd = tl.arange(0, DP)
-        cq = tl.arange(0, BM * HP)             # the dot's columns: (query of the block, head)
-        c_head = cq % HP
-        c_mask = c_head < H
-        q_mask = c_mask[None, :] & (dd[:, None] < D)
+        c_mask = tl.arange(0, BM * HP) % HP < H   # the dot's columns: (query of the block, head)
         k_mask = dd[None, :] < D
         if ORDER == 2:
             task = tl.atomic_add(next_ptr, 1)
@@ -455,25 +484,11 @@ if triton is not None:
                 # so each key block is one [BN, d] x [d, BM·n] dot: the heads lie along the accumulator's rows,
                 # and the sum over them stays within a thread and its lane quad
                 if HALVES:                     # two operands of BM/2 queries each
-                    ch = tl.arange(0, BM * HP // 2)
-                    h_head = ch % HP
-                    h_mask = h_head < H
-                    ra = b.to(tl.int64) * T + tl.minimum(t0 + ch // HP, T - 1)
-                    rb = b.to(tl.int64) * T + tl.minimum(t0 + BM // 2 + ch // HP, T - 1)
-                    hq_mask = h_mask[None, :] & (dd[:, None] < D)
-                    qa = tl.load(q_ptr + ((ra * H + h_head) * D)[None, :] + dd[:, None], mask=hq_mask, other=0.0)
-                    qb = tl.load(q_ptr + ((rb * H + h_head) * D)[None, :] + dd[:, None], mask=hq_mask, other=0.0)
-                    wa = tl.load(w_ptr + ra * H + h_head, mask=h_mask, other=0.0)
-                    wb = tl.load(w_ptr + rb * H + h_head, mask=h_mask, other=0.0)
-                    if UPCAST:
-                        qa = qa.to(tl.float32)
-                        qb = qb.to(tl.float32)
+                    h_mask = tl.arange(0, BM * HP // 2) % HP < H
+                    qa, wa = _query_operand(q_ptr, w_ptr, b, t0, T, H, D, dd, BM // 2, HP, UPCAST)
+                    qb, wb = _query_operand(q_ptr, w_ptr, b, t0 + BM // 2, T, H, D, dd, BM // 2, HP, UPCAST)
                 else:
-                    r = b.to(tl.int64) * T + tl.minimum(t0 + cq // HP, T - 1)
-                    qt = tl.load(q_ptr + ((r * H + c_head) * D)[None, :] + dd[:, None], mask=q_mask, other=0.0)
-                    wc = tl.load(w_ptr + r * H + c_head, mask=c_mask, other=0.0)
-                    if UPCAST:                 # the interpreter's 16-bit dot is wrong; fp32 products are exact
-                        qt = qt.to(tl.float32)
+                    qt, wc = _query_operand(q_ptr, w_ptr, b, t0, T, H, D, dd, BM, HP, UPCAST)
                 k_row = k_ptr + b.to(tl.int64) * S * D
                 # segments of key blocks that cannot overflow a buffer, compactions between them: the inner loop
                 # holds no branch, so its key loads are software-pipelined
@@ -562,6 +577,199 @@ if triton is not None:
         _write_rows(out_ptr + row.to(tl.int64) * K + tl.zeros([1, 1], tl.int64), pb, cnt,
                     tl.zeros([1], tl.int32) == 0, K, CH, 1)
 
+    @triton.jit
+    def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, ws_ptr, T, S, H, D, K, C0, CT, WS, SPLIT,
+                               BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                               CAUSAL: tl.constexpr, HALVES: tl.constexpr, PREC: tl.constexpr,
+                               UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr):
+        # program (query block, key split) of the chunk of queries C0 <= t < C0 + CT of every batch row: the order
+        # keys of its queries' candidates within the split, each at its position in the query's workspace row
+        # (b·CT + t - C0 of [B·CT, WS]). A block whose rows all have at most K candidates scores nothing: the
+        # selection writes those rows from their ranges alone.
+        blk = tl.program_id(0)
+        sp = tl.program_id(1)
+        nqb = CT // BM
+        b = blk // nqb
+        t0 = C0 + (blk % nqb) * BM
+        rows = t0 + tl.arange(0, BM)
+        rmask = rows < T
+        bt = b.to(tl.int64) * T + rows
+        lo = tl.minimum(tl.maximum(tl.load(lo_ptr + bt, mask=rmask, other=0), 0), S).to(tl.int32)
+        hi = tl.minimum(tl.maximum(tl.load(hi_ptr + bt, mask=rmask, other=0), 0), S).to(tl.int32)
+        has = hi > lo
+        s_lo = tl.maximum(tl.min(tl.where(has, lo, S)), sp * SPLIT)
+        s_hi = tl.minimum(tl.max(tl.where(has, hi, 0)), sp * SPLIT + SPLIT)
+        if CAUSAL:                             # query t is key t: nothing past the block's last query
+            s_hi = tl.minimum(s_hi, t0 + BM)
+        if (tl.max(hi - lo) > K) & (s_lo < s_hi):
+            cn = tl.arange(0, BN)
+            dd = tl.arange(0, DP)
+            k_mask = dd[None, :] < D
+            c_mask = tl.arange(0, BM * HP) % HP < H
+            k_row = k_ptr + b.to(tl.int64) * S * D
+            wrow = ws_ptr + ((b * CT + rows - C0).to(tl.int64) * WS)[:, None]
+            if HALVES:
+                h_mask = tl.arange(0, BM * HP // 2) % HP < H
+                qa, wa = _query_operand(q_ptr, w_ptr, b, t0, T, H, D, dd, BM // 2, HP, UPCAST)
+                qb, wb = _query_operand(q_ptr, w_ptr, b, t0 + BM // 2, T, H, D, dd, BM // 2, HP, UPCAST)
+                for s0 in range(s_lo // BN * BN, s_hi, BN):
+                    s = s0 + cn
+                    sc = _halves_scores(_block_keys(k_row, s, S, D, k_mask, dd, UPCAST), qa, qb, wa, wb, h_mask, BM,
+                                        BN, HP, PAD_HEADS, PREC)
+                    tl.store(wrow + s[None, :], _score_key(sc),
+                             mask=(s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]))
+            else:
+                qt, wc = _query_operand(q_ptr, w_ptr, b, t0, T, H, D, dd, BM, HP, UPCAST)
+                for s0 in range(s_lo // BN * BN, s_hi, BN):
+                    s = s0 + cn
+                    sc = _head_sum(_block_dot(k_row, s, qt, S, D, k_mask, dd, PREC, UPCAST), wc, c_mask, BM, BN, HP,
+                                   PAD_HEADS)
+                    tl.store(wrow + s[None, :], _score_key(sc),
+                             mask=(s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]))
+
+    @triton.jit
+    def _kth_key(key, r):
+        """The r-th largest of the int32 keys of a 1-D tile (1 <= r <= the number of keys above _FLOOR) and how many
+        keys equal to it are among the r largest (r minus the keys above it): the largest V with #(keys >= V) >= r,
+        decided bit by bit from the sign down, one reduction a bit. (Radix select by tl.histogram, and seven trial
+        keys a reduction, measured slower on the H100: docs/performance.md, indexer round 7.)"""
+        v = tl.where(tl.sum((key >= 0).to(tl.int32)) >= r, 0, _FLOOR)
+        for i in tl.static_range(31):
+            cand = v | (1 << (30 - i))
+            v = tl.where(tl.sum((key >= cand).to(tl.int32)) >= r, cand, v)
+        return v, r - tl.sum((key > v).to(tl.int32))
+
+    @triton.jit
+    def _count_at_least(row, n, v, CH: tl.constexpr, MS: tl.constexpr):
+        """#(keys >= v) among a row's first n keys, one pipelined pass."""
+        j = tl.arange(0, CH)
+        ge = tl.zeros([CH], tl.int32)
+        for c0 in tl.range(0, n, CH, num_stages=MS):
+            ge += (tl.load(row + c0 + j, mask=c0 + j < n, other=_FLOOR) >= v).to(tl.int32)
+        return tl.sum(ge)
+
+    @triton.jit
+    def _kth_key_in_row(row, n, r, CH: tl.constexpr, MS: tl.constexpr):
+        """The r-th largest of a row's n keys in memory, decided bit by bit from the sign down, one pass a bit (the
+        selection's last resort)."""
+        v = tl.where(_count_at_least(row, n, 0, CH, MS) >= r, 0, _FLOOR)
+        for i in range(31):
+            cand = v | (1 << (30 - i))
+            v = tl.where(_count_at_least(row, n, cand, CH, MS) >= r, cand, v)
+        return v
+
+    @triton.jit
+    def _emit(out_row, key, pos, kth, room):
+        """The positions of a tile's best keys, in tile order, into out_row: every key above kth and the first
+        `room` of those equal to it."""
+        eq = (key == kth).to(tl.int32)
+        if tl.sum(eq) > room:                  # ties at the threshold beyond the room: the earliest stay
+            keep = (key > kth) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < room))
+        else:
+            keep = key >= kth
+        ki = keep.to(tl.int32)
+        tl.store(out_row + tl.cumsum(ki, 0) - ki, pos, mask=keep)
+
+    @triton.jit
+    def _emit_row(out_row, row, lo, n, kth, room, CH: tl.constexpr, MS: tl.constexpr):
+        """`_emit` over a row of n keys in memory (positions lo + i): every key above kth and the first `room`
+        equal to it."""
+        j = tl.arange(0, CH)
+        kept = 0
+        ties = 0
+        for c0 in tl.range(0, n, CH, num_stages=MS):
+            key = tl.load(row + c0 + j, mask=c0 + j < n, other=_FLOOR)
+            eq = (key == kth).to(tl.int32)
+            keep = (key > kth) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < room))
+            ki = keep.to(tl.int32)
+            tl.store(out_row + kept + tl.cumsum(ki, 0) - ki, lo + c0 + j, mask=keep)
+            kept += tl.sum(ki)
+            ties += tl.sum(eq)
+
+    @triton.jit
+    def _indexer_select_kernel(ws_ptr, lo_ptr, hi_ptr, out_ptr, kb_ptr, pb_ptr, T, S, K, C0, CT, WS, ROWS,
+                               M: tl.constexpr, SC: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr,
+                               MS: tl.constexpr, SEG: tl.constexpr, CW: tl.constexpr):
+        # a persistent program over the queries (b, C0 + i % CT) of workspace rows i = pid, pid + programs, ... <
+        # ROWS: each query's K best candidates, positions ascending. Its scratch: SEG segments of CAP (key,
+        # position) pairs. MS: pipeline stages of the passes over a row.
+        pid = tl.program_id(0)
+        kb = kb_ptr + pid.to(tl.int64) * SEG * CAP
+        pb = pb_ptr + pid.to(tl.int64) * SEG * CAP
+        for i_row in range(pid, ROWS, tl.num_programs(0)):
+            b = i_row // CT
+            t = C0 + i_row % CT
+            if t < T:
+                bt = b.to(tl.int64) * T + t
+                lo = tl.minimum(tl.maximum(tl.load(lo_ptr + bt), 0), S).to(tl.int32)
+                hi = tl.minimum(tl.maximum(tl.load(hi_ptr + bt), 0), S).to(tl.int32)
+                n = hi - lo
+                out_row = out_ptr + bt * K
+                row = ws_ptr + tl.cast(i_row, tl.int64) * WS + lo
+                # (each branch names its own tiles: Triton merges same-named variables across branches)
+                if n <= K:                     # every candidate, then -1
+                    jk = tl.arange(0, CH)
+                    for c0 in range(0, K, CH):
+                        p = lo + c0 + jk
+                        tl.store(out_row + c0 + jk, tl.where(p < hi, p, -1), mask=c0 + jk < K)
+                elif n <= M:                   # the whole row in registers
+                    jm = tl.arange(0, M)
+                    mkey = tl.load(row + jm, mask=jm < n, other=_FLOOR)
+                    mkth, mroom = _kth_key(mkey, K)
+                    _emit(out_row, mkey, lo + jm, mkth, mroom)
+                else:
+                    # a threshold from a sample (M keys in M / SC runs of SC, evenly spread): its r-th largest key
+                    # V0, r set so that about K·(1 + 4/sqrt(e)) of the row's keys are >= V0 (e = K·M/n, the
+                    # sample's expected share of the K best). One pass keeps the keys >= V0 in order: the row cut
+                    # into SEG segments, each [CW]-step of a segment compacted by a prefix sum within its own row
+                    # of a [SEG, CW] tile into its own part of the scratch, so no step waits for another segment;
+                    # the segments' entries are then read back joined, in position order, when at least K and at
+                    # most CAP were kept, and the K-th largest is found among them in registers.
+                    i = tl.arange(0, M)
+                    start = ((i // SC).to(tl.int64) * (n - SC)) // (M // SC - 1)
+                    e = (K * M).to(tl.float32) / n.to(tl.float32)
+                    r = tl.minimum((e + 4.0 * tl.sqrt(e)).to(tl.int32) + 2, M)
+                    v0, _ = _kth_key(tl.load(row + start + i % SC), r)
+                    sg = tl.arange(0, SEG)
+                    jw = tl.arange(0, CW)
+                    seg_len = (n + SEG - 1) // SEG
+                    kept = tl.zeros([SEG], tl.int32)
+                    for c0 in tl.range(0, seg_len, CW, num_stages=MS):
+                        off = c0 + jw[None, :]
+                        idx = sg[:, None] * seg_len + off
+                        skey = tl.load(row + idx, mask=(off < seg_len) & (idx < n), other=_FLOOR)
+                        skeep = skey >= v0
+                        ski = skeep.to(tl.int32)
+                        dest = kept[:, None] + tl.cumsum(ski, 1) - ski
+                        ok = skeep & (dest < CAP)
+                        tl.store(kb + sg[:, None] * CAP + dest, skey, mask=ok)
+                        tl.store(pb + sg[:, None] * CAP + dest, lo + idx, mask=ok)
+                        kept += tl.sum(ski, 1)
+                    cnt = tl.sum(kept)
+                    if (cnt >= K) & (cnt <= CAP):
+                        tl.debug_barrier()     # the kept entries are visible to every thread
+                        first = tl.cumsum(kept, 0) - kept          # each segment's first slot, joined
+                        jb = tl.arange(0, CAP)
+                        src = jb
+                        for w in tl.static_range(1, SEG):
+                            fw = tl.sum(tl.where(sg == w, first, 0))
+                            src = tl.where(jb >= fw, w * CAP + jb - fw, src)
+                        bkey = tl.load(kb + src, mask=jb < cnt, other=_FLOOR)
+                        bkth, broom = _kth_key(bkey, K)
+                        _emit(out_row, bkey, tl.load(pb + src, mask=jb < cnt, other=0), bkth, broom)
+                    else:
+                        # V0 is the K-th key when fewer than K keys lie above it (ties at V0 past CAP); otherwise
+                        # the sample misled (the row's order is far from random): the K-th key searched in the row
+                        kth = v0
+                        above = 0
+                        if cnt >= K:
+                            above = _count_at_least(row, n, v0 + 1, CH, MS)
+                        if (cnt < K) | (above >= K):
+                            kth = _kth_key_in_row(row, n, K, CH, MS)
+                            above = _count_at_least(row, n, kth + 1, CH, MS)
+                        _emit_row(out_row, row, lo, n, kth, K - above, CH, MS)
+            tl.debug_barrier()                 # this row's scratch is read before the next row's is written
+
 
 class IndexerLaunch(NamedTuple):
     """Launch configuration of `indexer_topk_triton` (chosen per shape by `launch_config`)."""
@@ -587,6 +795,24 @@ class IndexerLaunch(NamedTuple):
     #                            is wrong: every row keeps its first candidates)
     overlap: bool = False  # each key block's dot issued before the previous block's scores are taken (two
     #                        accumulators live: for 8 warps, where each thread holds half of 4 queries' heads)
+    select_rows: int = 0  # > 0: scores then selection (`_indexer_scores_kernel`, `_indexer_select_kernel`) over
+    #                       chunks of this many queries of every batch row (a multiple of block_q); 0: the
+    #                       streaming top-k (`_indexer_stream_kernel`)
+    key_split: int = 4096  # scores then selection: keys a scores program (a multiple of block_k)
+    sample: int = 4096    # scores then selection: rows of at most this many candidates are selected in registers;
+    #                       longer ones take a threshold from a sample of this many keys (a power of two)
+    sample_run: int = 32  # keys a run of the sample (consecutive keys; sample // sample_run runs)
+    select_capacity: int = 0  # entries a row keeps at its threshold for the exact selection (a power of two at
+    #                           least topk; 0: `_select_capacity`'s choice)
+    select_chunk: int = 1024  # scores then selection: entries a step of the selection's plain passes (a row's
+    #                           output when it keeps everything, the fallbacks)
+    select_stages: int = 3  # scores then selection: pipeline stages of the passes over a row
+    select_warps: int = 8  # scores then selection: warps of a selection program
+    select_registers: int = 0  # scores then selection: a register cap a thread of the selection (0: none)
+    select_programs: int = 0  # scores then selection: persistent selection programs (0: twice `programs`)
+    select_segments: int = 8  # scores then selection: segments a long row's pass is cut into (a power of two; as
+    #                           many as warps, each segment's prefix sums stay within a warp)
+    select_step: int = 128  # scores then selection: keys a step of each segment (a power of two)
 
 
 def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: bool, sms: int,
@@ -621,10 +847,17 @@ def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: 
     chunk = chunk or 512 // bm                  # [BM, CH] compaction tiles: 4 entries a thread at 4 warps
     programs = 0 if split else max(1, min(B * triton.cdiv(T, bm), 3 if interpret else 2 * sms))
     halves = not split and (interpret or dtype != torch.float32)
+    # a causal prefill in 16 bits scores then selects, in chunks of 2,048 queries (a workspace of 2,048 x S int32
+    # keys: at topk = 2048 no larger than the output), the selection at 128 registers a thread (two programs of 8
+    # warps an SM), rows of up to 8,192 keys selected in registers when S allows it, else a sample of 4,096;
+    # measured faster than the streaming top-k from 8K to 128K. With a cache the streaming top-k stays until
+    # measured there.
+    select = not interpret and causal and not split and dtype != torch.float32
     return IndexerLaunch(block_q=bm, block_k=bn, chunk=chunk, programs=programs, split=split,
                          merge_block=merge_block, num_warps=warps, num_stages=stages,
                          merge_warps=4 if interpret else 8, capacity=0 if split else capacity,
-                         histogram=not split, order="dynamic", halves=halves)
+                         histogram=not split, order="dynamic", halves=halves, select_rows=2048 if select else 0,
+                         select_registers=128 if select else 0, sample=8192 if S <= 8192 else 4096)
 
 
 def _capacity(topk: int, block: int, most: int, want: int = 0) -> int:
@@ -638,6 +871,18 @@ def _capacity(topk: int, block: int, most: int, want: int = 0) -> int:
 def _slack(cap: int, topk: int, block: int) -> int:
     """Entries above topk a compaction before the end may keep: half the room a compacted buffer has left."""
     return max(0, (cap - block - topk) // 2)
+
+
+def _select_capacity(topk: int, sample: int, most: int) -> int:
+    """Entries a row keeps at its sampled threshold (`_indexer_select_kernel`): the expected count of keys at or
+    above the threshold for the longest row (`most` candidates; the count grows with the row) plus six standard
+    deviations, as a power of two at least topk. A row that keeps more takes the slower exact fallback."""
+    if most <= sample:
+        return triton.next_power_of_2(max(topk, 1))
+    e = topk * sample / most
+    r = min(e + 4 * math.sqrt(e) + 2, sample)
+    mean, sd = r * most / sample, math.sqrt(r) * most / sample
+    return triton.next_power_of_2(max(topk, int(mean + 6 * sd) + 1))
 
 
 def _stream_flags(c: IndexerLaunch, HP: int, DP: int, prec, upcast: bool, pad_heads: bool) -> dict:
@@ -716,6 +961,9 @@ def indexer_topk_launch(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     flags = _stream_flags(c, HP, DP, prec, upcast, HP != H)
     i32 = dict(dtype=torch.int32, device=q.device)
     ntb = triton.cdiv(T, c.block_q)
+    if not c.split and c.select_rows:
+        _scores_then_select(q, k, w, lo, hi, out, topk, causal, c, flags)
+        return out
     if not c.split:
         cap = _capacity(topk, c.block_k, S, c.capacity)
         bk = torch.empty(c.programs, c.block_q, cap, **i32)
@@ -743,3 +991,43 @@ def indexer_topk_launch(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
                                     cap, _slack(cap, topk, c.merge_block), MB=c.merge_block, CH=c.merge_block,
                                     num_warps=c.merge_warps)
     return out
+
+
+def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor, out: Tensor, topk: int,
+                        causal: bool, c: IndexerLaunch, flags: dict):
+    """The prefill path in two kernels a chunk of `c.select_rows` queries of every batch row: the order keys of
+    each query's candidates into a workspace row [S] (`_indexer_scores_kernel`, programs of block_q queries by
+    `key_split` keys; with `causal` no key past the chunk's last query), then each query's topk best of its row
+    (`_indexer_select_kernel`, persistent programs). Workspace: B · select_rows · S · 4 bytes plus the selection's
+    scratch, programs · segments · capacity · 8 bytes, whatever T."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    bm = c.block_q
+    if c.select_rows % bm or c.key_split % c.block_k or c.sample_run < 1 or c.sample % c.sample_run:
+        raise ValueError(f"indexer_topk_launch: select_rows ({c.select_rows}) must be a multiple of block_q ({bm}), "
+                         f"key_split ({c.key_split}) of block_k ({c.block_k}), sample ({c.sample}) of sample_run "
+                         f"({c.sample_run})")
+    ct = min(c.select_rows, triton.cdiv(T, bm) * bm)
+    cols = max(16, triton.cdiv(S, 16) * 16)        # 64-byte aligned workspace rows
+    m = max(triton.next_power_of_2(c.sample), triton.next_power_of_2(topk))
+    run = min(c.sample_run, m // 2)
+    cap = max(c.select_capacity or _select_capacity(topk, m, S), triton.next_power_of_2(topk))
+    i32 = dict(dtype=torch.int32, device=q.device)
+    ws = torch.empty(B * ct, cols, **i32)
+    programs = min(B * ct, c.select_programs or 2 * max(c.programs, 1))
+    kb = torch.empty(programs, c.select_segments, cap, **i32)
+    pb = torch.empty_like(kb)
+    score_flags = {name: flags[name] for name in ("BM", "BN", "HP", "DP", "HALVES", "PREC", "UPCAST", "PAD_HEADS",
+                                                  "num_warps", "num_stages")}
+    if "maxnreg" in flags:
+        score_flags["maxnreg"] = flags["maxnreg"]
+    select_flags = {"maxnreg": c.select_registers} if c.select_registers else {}
+    for c0 in range(0, T, ct):
+        keys = min(S, c0 + ct) if causal else S
+        grid = (B * ct // bm, max(1, triton.cdiv(keys, c.key_split)))
+        _indexer_scores_kernel[grid](q, k, w, lo, hi, ws, T, S, H, D, topk, c0, ct, cols, c.key_split,
+                                     CAUSAL=causal, **score_flags)
+        _indexer_select_kernel[(programs,)](ws, lo, hi, out, kb, pb, T, S, topk, c0, ct, cols, B * ct, M=m, SC=run,
+                                            CAP=cap, CH=c.select_chunk, MS=c.select_stages, SEG=c.select_segments,
+                                            CW=c.select_step, num_warps=c.select_warps,
+                                            **select_flags)

@@ -3,6 +3,7 @@ scores + top-k in the same run when cuDNN Frontend's DSA module imports.
 
     PYTHONPATH=. python tests/bench/indexer_tune.py                          # H200: T = 8K, 32K, 64K
     PYTHONPATH=. python tests/bench/indexer_tune.py --tokens 8192 65536 --variants default search move3
+    PYTHONPATH=. python tests/bench/indexer_tune.py --tokens 8192 65536 --variants default select select-4k
 
 The shape of `tests/bench/sparse_kernels.py`'s indexer rows: 64 heads × 128, bf16 q and k, fp32 head weights of both
 signs, causal, top 2048, B = 1. Every variant's selection is compared with the first variant's (rows identical;
@@ -27,8 +28,7 @@ from sparse_kernels import cudnn_dsa, measure  # noqa: E402
 
 NI, DI = 64, 128
 
-VARIANTS = {
-    "default": {},
+STREAM = {
     "round3": dict(halves=False, order="cyclic", num_stages=2),
     "round2": dict(halves=False, order="cyclic", num_stages=2, histogram=False, scan_counts=False),
     "one-dot": dict(halves=False),
@@ -48,9 +48,26 @@ VARIANTS = {
     "w8-2sm": dict(num_warps=8, max_registers=128, num_stages=2, halves=False),
     "w8-overlap": dict(num_warps=8, per_sm=1, halves=False, overlap=True),
 }
-"""Changes to `launch_config`'s choice (`IndexerLaunch` fields; `per_sm`: persistent programs an SM), by name.
-`round3` is the launch before two half dots, dynamic task order and three stages became the default.
-`score-only` times the scoring loop without any key taken (its rows differ from the others by design)."""
+"""The streaming top-k's launches (`_indexer_stream_kernel`): changes to `launch_config`'s streaming fields
+(`per_sm`: persistent programs an SM). `round3` is the launch before two half dots, dynamic task order and three
+stages became the default; `score-only` times the scoring loop without any key taken (its rows differ from the
+others by design)."""
+
+SELECT = {
+    "select-4k": dict(select_rows=4096),
+    "select-no-cap": dict(select_registers=0),
+    "select-w4": dict(select_warps=4, select_segments=4),
+    "select-sample2k": dict(sample=2048),
+    "select-sample8k": dict(sample=8192),
+}
+"""Changes to the causal default, scores then selection in chunks of `select_rows` queries (`_scores_then_select`)."""
+
+VARIANTS = {"default": {}, "stream": dict(select_rows=0, select_registers=0),
+            **{name: dict(v, select_rows=0, select_registers=0) for name, v in STREAM.items()}, **SELECT}
+"""Every variant by name: the default, `stream` (the streaming top-k's default launch), the streaming launches,
+the selection's."""
+
+KERNELS = ("_indexer_stream_kernel", "_indexer_scores_kernel", "_indexer_select_kernel")
 
 
 def blocks_per_sm(kernel) -> str:
@@ -68,9 +85,24 @@ def blocks_per_sm(kernel) -> str:
     return f"{blocks} ({kernel.n_regs} regs, {kernel.n_spills} spills, {kernel.metadata.shared // 1024} KiB)"
 
 
-def compiled(fn, device) -> set:
-    """The compiled kernels of a Triton function so far on `device`."""
-    return set(fn.device_caches[device][0].values()) if device in fn.device_caches else set()
+def compiled(device) -> set:
+    """The compiled kernels of the indexer's Triton functions so far on `device`."""
+    fns = [getattr(it, name) for name in KERNELS]
+    return {kern for fn in fns if device in fn.device_caches for kern in fn.device_caches[device][0].values()}
+
+
+def kernel_split(run) -> str:
+    """GPU ms of one call by indexer kernel (torch.profiler), e.g. "scores 50.1 + select 6.2"."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    ms = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = next((n.split("_")[2] for n in KERNELS if n in e.name), "other")
+            ms[name] = ms.get(name, 0.0) + e.device_time / 1e3
+    return " + ".join(f"{n} {t:.2f}" for n, t in sorted(ms.items(), key=lambda kv: -kv[1]))
 
 
 def variant(base: "it.IndexerLaunch", changes: dict, T: int, sms: int) -> "it.IndexerLaunch":
@@ -87,6 +119,8 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--cudnn", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile one call of each variant: GPU time by indexer kernel")
     a = ap.parse_args()
     dev = torch.device("cuda")
     dsa = cudnn_dsa() if a.cudnn else None
@@ -101,9 +135,9 @@ def main():
         flops = 2 * NI * DI * T * T / 2
         base = it.launch_config(1, T, T, NI, DI, k, causal=True, sms=sm_count(dev), interpret=False)
         print(f"\nT = {T:,}, top-{k}, causal ({flops / 1e12:.2f} TFLOP); default {base}", flush=True)
-        print("| variant | ms | TFLOP/s | peak GiB | rows identical to the first | vs cuDNN | programs an SM |",
-              flush=True)
-        print("|---|---|---|---|---|---|---|", flush=True)
+        print("| variant | ms | TFLOP/s | peak GiB | rows identical to the first | vs cuDNN | kernels ms | programs an "
+              "SM |", flush=True)
+        print("|---|---|---|---|---|---|---|---|", flush=True)
         c_ms = None
         if dsa is not None:
             def cudnn():
@@ -111,7 +145,7 @@ def main():
                 return dsa.indexer_top_k_wrapper(s[0], hi[0].to(torch.int32), k, return_val=False)
             try:
                 c_ms, peak = measure(cudnn, a.iters)
-                print(f"| cuDNN scores + top-k | {c_ms:.2f} | {flops / c_ms / 1e9:.0f} | {peak:.2f} | | 1.00 |",
+                print(f"| cuDNN scores + top-k | {c_ms:.2f} | {flops / c_ms / 1e9:.0f} | {peak:.2f} | | 1.00 | | |",
                       flush=True)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
@@ -121,15 +155,16 @@ def main():
             cfg = variant(base, VARIANTS[name], T, sm_count(dev))
             run = lambda: it.indexer_topk_launch(q, kk, w, lo, hi, topk=k, causal=True, config=cfg)
             try:
-                before = compiled(it._indexer_stream_kernel, dev.index or 0)
+                before = compiled(dev.index or 0)
                 out = run()
-                new = compiled(it._indexer_stream_kernel, dev.index or 0) - before
+                new = compiled(dev.index or 0) - before
                 occupancy = ", ".join(blocks_per_sm(kern) for kern in new)
                 ref = out if ref is None else ref
                 same = float((out == ref).all(-1).float().mean())
                 ms, peak = measure(run, a.iters)
                 ratio = f"{ms / c_ms:.2f}" if c_ms else ""
-                print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {peak:.2f} | {same:.2%} | {ratio} "
+                split = kernel_split(run) if a.kernels else ""
+                print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {peak:.2f} | {same:.2%} | {ratio} | {split} "
                       f"| {occupancy} |", flush=True)
                 del out
             except Exception as e:   # a variant that does not compile or fit: report it, go on
