@@ -40,7 +40,10 @@ SELECT = _config(block_q=2, select_rows=6, key_split=64, sample=16, sample_run=4
 four selection programs each taking several queries; rows of more than 16 candidates selected through a sampled
 threshold, the row's pass in 4 segments of 4-key steps, at most 32 entries kept at it, so longer rows take the
 fallback (more entries at the threshold than that)."""
-PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30), (SELECT, 3), (SELECT, 12)]
+SELECT_WARP = SELECT._replace(select_warps=1, select_segments=1, select_in_memory=True, select_chunk=8)
+"""The selection as programs of one warp: one segment, the kept entries' K-th key by passes over the scratch."""
+PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30), (SELECT, 3), (SELECT, 12),
+           (SELECT_WARP, 5)]
 
 
 def _ints(*shape, dtype=torch.float32):
@@ -102,7 +105,7 @@ def test_exact_on_packed_documents(config, topk):
     _assert_exact(q, k, w, r.lo, r.hi, topk, True, config)
 
 
-@pytest.mark.parametrize("config", [None, *SMALL, SELECT])
+@pytest.mark.parametrize("config", [None, *SMALL, SELECT, SELECT_WARP])
 def test_exact_on_cached_and_arbitrary_ranges(config):
     """Without `causal` (a prefill chunk on a cache: rows starting at different slots, queries before a row's
     start are padding) and on arbitrary ranges, empty, reversed or past the keys on either side."""
@@ -134,7 +137,9 @@ def test_exact_through_many_compactions(order):
     for topk, config in ((5, _config(block_k=16, chunk=16, halves=True)), (37, None), (11, hist)):
         assert it._capacity(topk, 32 if config is None else 16, S) < S - 30     # compactions are needed
         _assert_exact(q, k.contiguous(), w, lo, hi, topk, False, config)
-    _assert_exact(q, k.contiguous(), w, lo, hi, 9, False, SELECT._replace(block_k=16, key_split=48, select_capacity=128))
+    for select in (SELECT, SELECT_WARP):
+        _assert_exact(q, k.contiguous(), w, lo, hi, 9, False, select._replace(block_k=16, key_split=48,
+                                                                              select_capacity=128))
 
 
 def _sampled(n: int, m: int, run: int) -> torch.Tensor:
@@ -143,14 +148,15 @@ def _sampled(n: int, m: int, run: int) -> torch.Tensor:
     return (i // run) * (n - run) // (m // run - 1) + i % run
 
 
+@pytest.mark.parametrize("in_memory", [False, True])
 @pytest.mark.parametrize("sample_is", ["best", "worst", "tied"])
-def test_exact_when_the_sample_misleads(sample_is):
+def test_exact_when_the_sample_misleads(sample_is, in_memory):
     """Rows whose sampled keys are their best (the threshold keeps fewer than topk: the exact search over the row),
     their worst (it keeps more than the capacity and more than topk lie above it: the same search), or tied with
     all but three late keys (the threshold is the topk-th key, kept with its earliest ties in one pass over the
     row): still the reference's selection, through the scores-then-selection path."""
     B, T, S, n, d, topk = 1, 4, 200, 2, 16, 8
-    config = SELECT._replace(select_capacity=32, sample=32, sample_run=4)
+    config = (SELECT_WARP if in_memory else SELECT)._replace(select_capacity=32, sample=32, sample_run=4)
     picked = torch.zeros(S, dtype=torch.bool)
     picked[_sampled(S, 32, 4)] = True
     if sample_is == "tied":

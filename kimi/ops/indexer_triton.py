@@ -671,9 +671,10 @@ if triton is not None:
         tl.store(out_row + tl.cumsum(ki, 0) - ki, pos, mask=keep)
 
     @triton.jit
-    def _emit_row(out_row, row, lo, n, kth, room, CH: tl.constexpr, MS: tl.constexpr):
-        """`_emit` over a row of n keys in memory (positions lo + i): every key above kth and the first `room`
-        equal to it."""
+    def _emit_row(out_row, row, pos_row, lo, n, kth, room, CH: tl.constexpr, MS: tl.constexpr,
+                  STORED: tl.constexpr):
+        """`_emit` over n keys in memory: every key above kth and the first `room` equal to it. Their positions: lo
+        + i (a workspace row), or with STORED the entries of pos_row (a buffer of kept entries)."""
         j = tl.arange(0, CH)
         kept = 0
         ties = 0
@@ -682,17 +683,23 @@ if triton is not None:
             eq = (key == kth).to(tl.int32)
             keep = (key > kth) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < room))
             ki = keep.to(tl.int32)
-            tl.store(out_row + kept + tl.cumsum(ki, 0) - ki, lo + c0 + j, mask=keep)
+            if STORED:
+                pos = tl.load(pos_row + c0 + j, mask=keep, other=0)
+            else:
+                pos = lo + c0 + j
+            tl.store(out_row + kept + tl.cumsum(ki, 0) - ki, pos, mask=keep)
             kept += tl.sum(ki)
             ties += tl.sum(eq)
 
     @triton.jit
     def _indexer_select_kernel(ws_ptr, lo_ptr, hi_ptr, out_ptr, kb_ptr, pb_ptr, T, S, K, C0, CT, WS, ROWS,
                                M: tl.constexpr, SC: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr,
-                               MS: tl.constexpr, SEG: tl.constexpr, CW: tl.constexpr):
+                               MS: tl.constexpr, SEG: tl.constexpr, CW: tl.constexpr, IN_MEMORY: tl.constexpr):
         # a persistent program over the queries (b, C0 + i % CT) of workspace rows i = pid, pid + programs, ... <
         # ROWS: each query's K best candidates, positions ascending. Its scratch: SEG segments of CAP (key,
-        # position) pairs. MS: pipeline stages of the passes over a row.
+        # position) pairs. MS: pipeline stages of the passes over a row. IN_MEMORY (SEG = 1): the kept entries'
+        # K-th key searched by passes over the scratch rather than in registers (for programs of one warp, where
+        # a tile of CAP keys would not fit).
         pid = tl.program_id(0)
         kb = kb_ptr + pid.to(tl.int64) * SEG * CAP
         pb = pb_ptr + pid.to(tl.int64) * SEG * CAP
@@ -748,15 +755,20 @@ if triton is not None:
                     cnt = tl.sum(kept)
                     if (cnt >= K) & (cnt <= CAP):
                         tl.debug_barrier()     # the kept entries are visible to every thread
-                        first = tl.cumsum(kept, 0) - kept          # each segment's first slot, joined
-                        jb = tl.arange(0, CAP)
-                        src = jb
-                        for w in tl.static_range(1, SEG):
-                            fw = tl.sum(tl.where(sg == w, first, 0))
-                            src = tl.where(jb >= fw, w * CAP + jb - fw, src)
-                        bkey = tl.load(kb + src, mask=jb < cnt, other=_FLOOR)
-                        bkth, broom = _kth_key(bkey, K)
-                        _emit(out_row, bkey, tl.load(pb + src, mask=jb < cnt, other=0), bkth, broom)
+                        if IN_MEMORY:
+                            kth_m = _kth_key_in_row(kb, cnt, K, CH, MS)
+                            above_m = _count_at_least(kb, cnt, kth_m + 1, CH, MS)
+                            _emit_row(out_row, kb, pb, lo, cnt, kth_m, K - above_m, CH, MS, True)
+                        else:
+                            first = tl.cumsum(kept, 0) - kept      # each segment's first slot, joined
+                            jb = tl.arange(0, CAP)
+                            src = jb
+                            for w in tl.static_range(1, SEG):
+                                fw = tl.sum(tl.where(sg == w, first, 0))
+                                src = tl.where(jb >= fw, w * CAP + jb - fw, src)
+                            bkey = tl.load(kb + src, mask=jb < cnt, other=_FLOOR)
+                            bkth, broom = _kth_key(bkey, K)
+                            _emit(out_row, bkey, tl.load(pb + src, mask=jb < cnt, other=0), bkth, broom)
                     else:
                         # V0 is the K-th key when fewer than K keys lie above it (ties at V0 past CAP); otherwise
                         # the sample misled (the row's order is far from random): the K-th key searched in the row
@@ -767,7 +779,7 @@ if triton is not None:
                         if (cnt < K) | (above >= K):
                             kth = _kth_key_in_row(row, n, K, CH, MS)
                             above = _count_at_least(row, n, kth + 1, CH, MS)
-                        _emit_row(out_row, row, lo, n, kth, K - above, CH, MS)
+                        _emit_row(out_row, row, row, lo, n, kth, K - above, CH, MS, False)
             tl.debug_barrier()                 # this row's scratch is read before the next row's is written
 
 
@@ -813,6 +825,8 @@ class IndexerLaunch(NamedTuple):
     select_segments: int = 8  # scores then selection: segments a long row's pass is cut into (a power of two; as
     #                           many as warps, each segment's prefix sums stay within a warp)
     select_step: int = 128  # scores then selection: keys a step of each segment (a power of two)
+    select_in_memory: bool = False  # scores then selection, one segment: the kept entries' K-th key by passes
+    #                                 over the scratch, not in registers (programs of one warp)
 
 
 def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: bool, sms: int,
@@ -1003,13 +1017,15 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     B, T, H, D = q.shape
     S = k.shape[1]
     bm = c.block_q
+    if c.select_in_memory and c.select_segments != 1:
+        raise ValueError(f"indexer_topk_launch: select_in_memory takes one segment, got {c.select_segments}")
     if c.select_rows % bm or c.key_split % c.block_k or c.sample_run < 1 or c.sample % c.sample_run:
         raise ValueError(f"indexer_topk_launch: select_rows ({c.select_rows}) must be a multiple of block_q ({bm}), "
                          f"key_split ({c.key_split}) of block_k ({c.block_k}), sample ({c.sample}) of sample_run "
                          f"({c.sample_run})")
     ct = min(c.select_rows, triton.cdiv(T, bm) * bm)
     cols = max(16, triton.cdiv(S, 16) * 16)        # 64-byte aligned workspace rows
-    m = max(triton.next_power_of_2(c.sample), triton.next_power_of_2(topk))
+    m = triton.next_power_of_2(c.sample)
     run = min(c.sample_run, m // 2)
     cap = max(c.select_capacity or _select_capacity(topk, m, S), triton.next_power_of_2(topk))
     i32 = dict(dtype=torch.int32, device=q.device)
@@ -1029,5 +1045,6 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
                                      CAUSAL=causal, **score_flags)
         _indexer_select_kernel[(programs,)](ws, lo, hi, out, kb, pb, T, S, topk, c0, ct, cols, B * ct, M=m, SC=run,
                                             CAP=cap, CH=c.select_chunk, MS=c.select_stages, SEG=c.select_segments,
-                                            CW=c.select_step, num_warps=c.select_warps,
+                                            CW=c.select_step, IN_MEMORY=c.select_in_memory,
+                                            num_warps=c.select_warps,
                                             **select_flags)

@@ -59,6 +59,12 @@ SELECT = {
     "select-w4": dict(select_warps=4, select_segments=4),
     "select-sample2k": dict(sample=2048),
     "select-sample8k": dict(sample=8192),
+    "select-warp": dict(select_warps=1, select_segments=1, select_in_memory=True, select_registers=0, sample=1024,
+                        select_chunk=256, select_programs=2048),
+    "select-warp-s512": dict(select_warps=1, select_segments=1, select_in_memory=True, select_registers=0,
+                             sample=512, select_chunk=256, select_programs=2048),
+    "select-warp2": dict(select_warps=2, select_segments=1, select_in_memory=True, select_registers=0, sample=1024,
+                         select_chunk=512, select_step=256, select_programs=2048),
 }
 """Changes to the causal default, scores then selection in chunks of `select_rows` queries (`_scores_then_select`)."""
 
