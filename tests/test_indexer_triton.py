@@ -1,5 +1,5 @@
-"""The Triton indexer (kimi/ops/indexer_triton.py): scores fused with a streaming top-k, against the blocked
-reference `lightning_index.indexer_topk_blocked` (the `kimi::indexer_topk` contract). Exact on integer-valued
+"""The Triton indexer (kimi/ops/indexer_triton.py): scores fused with a streaming top-k, and scores then
+selection (`select_rows`), against the blocked reference `lightning_index.indexer_topk_blocked` (the `kimi::indexer_topk` contract). Exact on integer-valued
 inputs, whose scores every summation order computes exactly (heavy ties included); on random bf16 inputs a valid
 top-k of the float64 scores within the fp32 rounding bound. Without a GPU through Triton's interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1) at small shapes; the `gpu` tests run the release's sizes on the H200."""
@@ -40,7 +40,10 @@ SELECT = _config(block_q=2, select_rows=6, key_split=64, sample=16, sample_run=4
 four selection programs each taking several queries; rows of more than 16 candidates selected through a sampled
 threshold, the row's pass in 4 segments of 4-key steps, at most 32 entries kept at it, so longer rows take the
 fallback (more entries at the threshold than that)."""
-SELECT_WARP = SELECT._replace(select_warps=1, select_segments=1, select_in_memory=True, select_chunk=8)
+SELECT_SAMPLED = SELECT._replace(sample=4, sample_run=2, halves=False)
+"""Scores then selection with a sample of 4 keys (rows of more than 4 candidates through the sampled threshold),
+each key block scored as one dot."""
+SELECT_WARP = SELECT._replace(select_warps=1, select_segments=1, select_in_memory=True, select_chunk=32)
 """The selection as programs of one warp: one segment, the kept entries' K-th key by passes over the scratch."""
 PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30), (SELECT, 3), (SELECT, 12),
            (SELECT_WARP, 5)]
@@ -105,7 +108,7 @@ def test_exact_on_packed_documents(config, topk):
     _assert_exact(q, k, w, r.lo, r.hi, topk, True, config)
 
 
-@pytest.mark.parametrize("config", [None, *SMALL, SELECT, SELECT_WARP])
+@pytest.mark.parametrize("config", [None, *SMALL, SELECT, SELECT_SAMPLED, SELECT_WARP])
 def test_exact_on_cached_and_arbitrary_ranges(config):
     """Without `causal` (a prefill chunk on a cache: rows starting at different slots, queries before a row's
     start are padding) and on arbitrary ranges, empty, reversed or past the keys on either side."""
@@ -228,11 +231,13 @@ def test_nan_and_inf_scores_rank_first():
     r = document_ranges(doc)
     for topk in (1, 2, 6):
         _assert_exact(q, k, w, r.lo, r.hi, topk, True, None)
+        _assert_exact(q, k, w, r.lo, r.hi, topk, True, SELECT_SAMPLED)
     got = it.indexer_topk_triton(q, k, w, r.lo, r.hi, topk=2, causal=True)
     assert got[1, 12].tolist() == [9, 11] and got[1, 6].tolist() == [5, 6]
     assert it.indexer_topk_triton(q, k, w, r.lo, r.hi, topk=1, causal=True)[1, 12].item() == 9
     r = cache_ranges(torch.arange(110, 112, device=DEVICE), torch.tensor([0, 8], device=DEVICE), S)
     _assert_exact(q[:, :2].contiguous(), k, w[:, :2].contiguous(), r.lo, r.hi, 4, False, None)
+    _assert_exact(q[:, :2].contiguous(), k, w[:, :2].contiguous(), r.lo, r.hi, 4, False, SELECT_SAMPLED)
 
 
 if triton is not None:
@@ -376,7 +381,7 @@ def test_allocates_nothing_of_size_t_by_s():
     T = 96
     q, k, w = _inputs(1, T, T, n=2)
     t = torch.arange(T, device=DEVICE)[None]
-    for config in (None, SELECT._replace(select_rows=16)):
+    for config in (None, SELECT._replace(block_q=4, select_rows=32)):
         with LargestTensor() as largest:
             idx = _run(q, k, w, torch.zeros_like(t), t + 1, 8, True, config)
         assert 0 < largest.bytes < T * T * 4, largest.bytes
@@ -397,6 +402,12 @@ def test_edge_shapes_and_errors():
         it.indexer_topk_triton(q.double(), k.double(), w, lo, hi, topk=3)
     with pytest.raises(ValueError, match=r"expected q \[B, T, n, d\]"):
         it.indexer_topk_triton(q, k[:, :, :8], w, lo, hi, topk=3)
+    for bad, match in ((SELECT._replace(sample=24, sample_run=4), "a power of two"),
+                       (SELECT._replace(sample=16, sample_run=16), "2 · sample_run"),
+                       (SELECT._replace(select_rows=5), "multiple of block_q"),
+                       (SELECT._replace(select_in_memory=True), "one segment")):
+        with pytest.raises(ValueError, match=match):
+            _run(q, k, w, lo, hi, 3, False, bad)
 
 
 # ------------------------------------------------------------------------------------------ the release's sizes

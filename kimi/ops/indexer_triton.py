@@ -1,6 +1,6 @@
 """Triton kernels of the indexer contract (`kimi::indexer_topk`, reference `lightning_index.indexer_topk_blocked`):
 scores fused with a streaming top-k, or (a causal prefill's default on a GPU) scores then selection over chunks of
-queries; no [T, S] score buffer exists either way (docs/numerics.md#indexer-scores, #top-k,
+queries: no [T, S] score buffer beyond one chunk's [select_rows, S] (docs/numerics.md#indexer-scores, #top-k,
 #sparse-attention-contract).
 
     I[t, s] = Σ_j w[t, j] · ReLU(<q[t, j], k[s]>)       fp32 accumulation, over the candidates lo_t <= s < hi_t
@@ -52,7 +52,7 @@ The queries are taken in chunks of select_rows (2,048) of every batch row, two k
 (`_indexer_scores_kernel`, one program per block_q queries and key_split keys, the same dots and head sums as the
 streaming kernel) writes each candidate's order key at its position in the query's workspace row: [B·select_rows,
 S] int32, 1 GiB at S = 131,072, no more than the [T, topk] output of a causal prefill at topk = 2048; no key past
-the chunk's last query is scored. The selection kernel (`_indexer_select_kernel`, persistent programs) takes each
+the chunk's last query is scored. The selection kernel (`_indexer_select_kernel`, programs looping over queries) takes each
 query's row: at most topk candidates are all kept; a row of at most `sample` keys is loaded into registers and its
 topk-th key found by bisection on the key's bits (`_kth_key`, one reduction a bit); a longer row takes a threshold
 from a sample (runs of keys spread evenly over the row) set to keep about topk·(1 + 4/sqrt(e)) keys (e the sample's
@@ -695,7 +695,7 @@ if triton is not None:
     def _indexer_select_kernel(ws_ptr, lo_ptr, hi_ptr, out_ptr, kb_ptr, pb_ptr, T, S, K, C0, CT, WS, ROWS,
                                M: tl.constexpr, SC: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr,
                                MS: tl.constexpr, SEG: tl.constexpr, CW: tl.constexpr, IN_MEMORY: tl.constexpr):
-        # a persistent program over the queries (b, C0 + i % CT) of workspace rows i = pid, pid + programs, ... <
+        # a program looping over the queries (b, C0 + i % CT) of workspace rows i = pid, pid + programs, ... <
         # ROWS: each query's K best candidates, positions ascending. Its scratch: SEG segments of CAP (key,
         # position) pairs. MS: pipeline stages of the passes over a row. IN_MEMORY (SEG = 1): the kept entries'
         # K-th key searched by passes over the scratch rather than in registers (for programs of one warp, where
@@ -821,7 +821,8 @@ class IndexerLaunch(NamedTuple):
     select_stages: int = 3  # scores then selection: pipeline stages of the passes over a row
     select_warps: int = 8  # scores then selection: warps of a selection program
     select_registers: int = 0  # scores then selection: a register cap a thread of the selection (0: none)
-    select_programs: int = 0  # scores then selection: persistent selection programs (0: twice `programs`)
+    select_programs: int = 0  # scores then selection: selection programs, each looping over its queries (0:
+    #                           twice `programs`; more than fit the GPU at once run in waves)
     select_segments: int = 8  # scores then selection: segments a long row's pass is cut into (a power of two; as
     #                           many as warps, each segment's prefix sums stay within a warp)
     select_step: int = 128  # scores then selection: keys a step of each segment (a power of two)
@@ -863,7 +864,8 @@ def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: 
     halves = not split and (interpret or dtype != torch.float32)
     # a causal prefill in 16 bits scores then selects, in chunks of 2,048 queries (a workspace of 2,048 x S int32
     # keys: at topk = 2048 no larger than the output), the selection at 128 registers a thread (two programs of 8
-    # warps an SM), rows of up to 8,192 keys selected in registers when S allows it, else a sample of 4,096;
+    # warps fit an SM; the grid of 4 an SM runs in two waves), rows of up to 8,192 keys selected in registers when
+    # S allows it, else a sample of 4,096;
     # measured faster than the streaming top-k from 8K to 128K. With a cache the streaming top-k stays until
     # measured there.
     select = not interpret and causal and not split and dtype != torch.float32
@@ -1012,21 +1014,21 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     """The prefill path in two kernels a chunk of `c.select_rows` queries of every batch row: the order keys of
     each query's candidates into a workspace row [S] (`_indexer_scores_kernel`, programs of block_q queries by
     `key_split` keys; with `causal` no key past the chunk's last query), then each query's topk best of its row
-    (`_indexer_select_kernel`, persistent programs). Workspace: B · select_rows · S · 4 bytes plus the selection's
+    (`_indexer_select_kernel`, programs looping over the queries). Workspace: B · select_rows · S · 4 bytes plus the selection's
     scratch, programs · segments · capacity · 8 bytes, whatever T."""
     B, T, H, D = q.shape
     S = k.shape[1]
     bm = c.block_q
     if c.select_in_memory and c.select_segments != 1:
         raise ValueError(f"indexer_topk_launch: select_in_memory takes one segment, got {c.select_segments}")
-    if c.select_rows % bm or c.key_split % c.block_k or c.sample_run < 1 or c.sample % c.sample_run:
+    if c.select_rows % bm or c.key_split % c.block_k or c.sample_run < 1 or c.sample % (2 * c.sample_run) or \
+            c.sample != triton.next_power_of_2(c.sample):
         raise ValueError(f"indexer_topk_launch: select_rows ({c.select_rows}) must be a multiple of block_q ({bm}), "
-                         f"key_split ({c.key_split}) of block_k ({c.block_k}), sample ({c.sample}) of sample_run "
-                         f"({c.sample_run})")
+                         f"key_split ({c.key_split}) of block_k ({c.block_k}), sample ({c.sample}) a power of two "
+                         f"and a multiple of 2 · sample_run ({c.sample_run})")
     ct = min(c.select_rows, triton.cdiv(T, bm) * bm)
     cols = max(16, triton.cdiv(S, 16) * 16)        # 64-byte aligned workspace rows
-    m = triton.next_power_of_2(c.sample)
-    run = min(c.sample_run, m // 2)
+    m, run = c.sample, c.sample_run
     cap = max(c.select_capacity or _select_capacity(topk, m, S), triton.next_power_of_2(topk))
     i32 = dict(dtype=torch.int32, device=q.device)
     ws = torch.empty(B * ct, cols, **i32)
