@@ -865,9 +865,8 @@ def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: 
     # a causal prefill in 16 bits scores then selects, in chunks of 2,048 queries (a workspace of 2,048 x S int32
     # keys: at topk = 2048 no larger than the output), the selection at 128 registers a thread (two programs of 8
     # warps fit an SM; the grid of 4 an SM runs in two waves), rows of up to 8,192 keys selected in registers when
-    # S allows it, else a sample of 4,096;
-    # measured faster than the streaming top-k from 8K to 128K. With a cache the streaming top-k stays until
-    # measured there.
+    # S allows it, else a sample of 4,096: measured faster than the streaming top-k from 8K to 128K. With a cache
+    # the streaming top-k stays until measured there.
     select = not interpret and causal and not split and dtype != torch.float32
     return IndexerLaunch(block_q=bm, block_k=bn, chunk=chunk, programs=programs, split=split,
                          merge_block=merge_block, num_warps=warps, num_stages=stages,
