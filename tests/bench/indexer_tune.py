@@ -3,7 +3,7 @@ scores + top-k in the same run when cuDNN Frontend's DSA module imports.
 
     PYTHONPATH=. python tests/bench/indexer_tune.py                          # H200: T = 8K, 32K, 64K
     PYTHONPATH=. python tests/bench/indexer_tune.py --tokens 8192 65536 --variants default search move3
-    PYTHONPATH=. python tests/bench/indexer_tune.py --tokens 8192 65536 --variants default select select-4k
+    PYTHONPATH=. python tests/bench/indexer_tune.py --tokens 8192 65536 --variants default stream select-warp
 
 The shape of `tests/bench/sparse_kernels.py`'s indexer rows: 64 heads × 128, bf16 q and k, fp32 head weights of both
 signs, causal, top 2048, B = 1. Every variant's selection is compared with the first variant's (rows identical;
