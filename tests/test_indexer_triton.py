@@ -381,7 +381,7 @@ def test_allocates_nothing_of_size_t_by_s():
     T = 96
     q, k, w = _inputs(1, T, T, n=2)
     t = torch.arange(T, device=DEVICE)[None]
-    for config in (None, SELECT._replace(block_q=4, select_rows=32)):
+    for config in (None, SELECT._replace(block_q=4, select_rows=32, select_capacity=128)):
         with LargestTensor() as largest:
             idx = _run(q, k, w, torch.zeros_like(t), t + 1, 8, True, config)
         assert 0 < largest.bytes < T * T * 4, largest.bytes
