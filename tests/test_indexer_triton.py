@@ -1,8 +1,9 @@
-"""The Triton indexer (kimi/ops/indexer_triton.py): scores fused with a streaming top-k, and scores then
-selection (`select_rows`), against the blocked reference `lightning_index.indexer_topk_blocked` (the `kimi::indexer_topk` contract). Exact on integer-valued
-inputs, whose scores every summation order computes exactly (heavy ties included); on random bf16 inputs a valid
-top-k of the float64 scores within the fp32 rounding bound. Without a GPU through Triton's interpreter
-(tests/conftest.py sets TRITON_INTERPRET=1) at small shapes; the `gpu` tests run the release's sizes on the H200."""
+"""The Triton indexer (kimi/ops/indexer_triton.py): scores fused with a streaming top-k, and scores then selection
+(`select_rows`), against the blocked reference `lightning_index.indexer_topk_blocked` (the `kimi::indexer_topk`
+contract). Exact on integer-valued inputs, whose scores every summation order computes exactly (heavy ties included);
+on random bf16 inputs a valid top-k of the float64 scores within the fp32 rounding bound. Without a GPU through
+Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at small shapes; the `gpu` tests run the release's
+sizes on the H200."""
 
 import pytest
 import torch

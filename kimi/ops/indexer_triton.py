@@ -47,21 +47,20 @@ on an H200 at topk = 2048 (BM = 4, CAP = 3·topk), whatever T and S. The query b
 first, to each program in turn (`order="cyclic"`), in rounds alternating direction (`"snake"`), or to whichever
 program is free next through a counter (`"dynamic"`: the longest remaining task to the first free program).
 
-**Scores then selection** (`IndexerLaunch.select_rows` > 0; the default of a causal prefill in 16 bits on a GPU).
-The queries are taken in chunks of select_rows (2,048) of every batch row, two kernels a chunk. The scores kernel
+**Scores then selection** (`IndexerLaunch.select_rows` > 0; the default of a causal prefill in 16 bits on a GPU). The
+queries are taken in chunks of select_rows (2,048) of every batch row, two kernels a chunk. The scores kernel
 (`_indexer_scores_kernel`, one program per block_q queries and key_split keys, the same dots and head sums as the
-streaming kernel) writes each candidate's order key at its position in the query's workspace row: [B·select_rows,
-S] int32, 1 GiB at S = 131,072, no more than the [T, topk] output of a causal prefill at topk = 2048; no key past
-the chunk's last query is scored. The selection kernel (`_indexer_select_kernel`, programs looping over queries) takes each
+streaming kernel) writes each candidate's order key at its position in the query's workspace row: [B·select_rows, S]
+int32, 1 GiB at S = 131,072, no more than the [T, topk] output of a causal prefill at topk = 2048; no key past the
+chunk's last query is scored. The selection kernel (`_indexer_select_kernel`, programs looping over queries) takes each
 query's row: at most topk candidates are all kept; a row of at most `sample` keys is loaded into registers and its
-topk-th key found by bisection on the key's bits (`_kth_key`, one reduction a bit); a longer row takes a threshold
-from a sample (runs of keys spread evenly over the row) set to keep about topk·(1 + 4/sqrt(e)) keys (e the sample's
-expected share of the best), one pass compacts the keys at or above it, in order, into the program's scratch (the
-row cut into segments, each compacted in its own part of the scratch), and the topk-th key is found among them in
-registers. Exact whatever the sample: when the threshold keeps fewer than topk, or more than the scratch holds with
-topk above it, the topk-th key is searched over the row (one pass a bit). The scoring loop holds no selection
-bookkeeping, which is what made the streaming kernel's loop slower than its dots (docs/performance.md, indexer
-rounds 6 and 7).
+topk-th key found by bisection on the key's bits (`_kth_key`, one reduction a bit); a longer row takes a threshold from
+a sample (runs of keys spread evenly over the row) set to keep about topk·(1 + 4/sqrt(e)) keys (e the sample's expected
+share of the best), one pass compacts the keys at or above it, in order, into the program's scratch (the row cut into
+segments, each compacted in its own part of the scratch), and the topk-th key is found among them in registers. Exact
+whatever the sample: when the threshold keeps fewer than topk, or more than the scratch holds with topk above it, the
+topk-th key is searched over the row (one pass a bit). The scoring loop holds no selection bookkeeping, which is what
+made the streaming kernel's loop slower than its dots (docs/performance.md, indexer rounds 6 and 7).
 
 **Decode.** Few queries (T <= 16, no `causal`) against a long cache: the key range is split into `cdiv(S, split)`
 pieces (split a multiple of BN, fixed by B, S and the SM count); program (b, piece) runs the same streaming top-k
@@ -1013,8 +1012,8 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     """The prefill path in two kernels a chunk of `c.select_rows` queries of every batch row: the order keys of
     each query's candidates into a workspace row [S] (`_indexer_scores_kernel`, programs of block_q queries by
     `key_split` keys; with `causal` no key past the chunk's last query), then each query's topk best of its row
-    (`_indexer_select_kernel`, programs looping over the queries). Workspace: B · select_rows · S · 4 bytes plus the selection's
-    scratch, programs · segments · capacity · 8 bytes, whatever T."""
+    (`_indexer_select_kernel`, programs looping over the queries). Workspace: B · select_rows · S · 4 bytes plus
+    the selection's scratch, programs · segments · capacity · 8 bytes, whatever T."""
     B, T, H, D = q.shape
     S = k.shape[1]
     bm = c.block_q
@@ -1027,8 +1026,7 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
                          f"and a multiple of 2 · sample_run ({c.sample_run})")
     ct = min(c.select_rows, triton.cdiv(T, bm) * bm)
     cols = max(16, triton.cdiv(S, 16) * 16)        # 64-byte aligned workspace rows
-    m, run = c.sample, c.sample_run
-    cap = max(c.select_capacity or _select_capacity(topk, m, S), triton.next_power_of_2(topk))
+    cap = max(c.select_capacity or _select_capacity(topk, c.sample, S), triton.next_power_of_2(topk))
     i32 = dict(dtype=torch.int32, device=q.device)
     ws = torch.empty(B * ct, cols, **i32)
     programs = min(B * ct, c.select_programs or 2 * max(c.programs, 1))
@@ -1044,8 +1042,7 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
         grid = (B * ct // bm, max(1, triton.cdiv(keys, c.key_split)))
         _indexer_scores_kernel[grid](q, k, w, lo, hi, ws, T, S, H, D, topk, c0, ct, cols, c.key_split,
                                      CAUSAL=causal, **score_flags)
-        _indexer_select_kernel[(programs,)](ws, lo, hi, out, kb, pb, T, S, topk, c0, ct, cols, B * ct, M=m, SC=run,
-                                            CAP=cap, CH=c.select_chunk, MS=c.select_stages, SEG=c.select_segments,
-                                            CW=c.select_step, IN_MEMORY=c.select_in_memory,
-                                            num_warps=c.select_warps,
-                                            **select_flags)
+        _indexer_select_kernel[(programs,)](ws, lo, hi, out, kb, pb, T, S, topk, c0, ct, cols, B * ct,
+                                            M=c.sample, SC=c.sample_run, CAP=cap, CH=c.select_chunk,
+                                            MS=c.select_stages, SEG=c.select_segments, CW=c.select_step,
+                                            IN_MEMORY=c.select_in_memory, num_warps=c.select_warps, **select_flags)
