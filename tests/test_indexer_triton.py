@@ -41,11 +41,11 @@ SELECT = _config(block_q=2, select_rows=6, key_split=64, sample=16, sample_run=4
 four selection programs each taking several queries; rows of more than 16 candidates selected through a sampled
 threshold, the row's pass in 4 segments of 4-key steps, at most 32 entries kept at it, so longer rows take the
 fallback (more entries at the threshold than that)."""
-SELECT_SAMPLED = SELECT._replace(sample=4, sample_run=2, halves=False)
+SELECT_SAMPLED = SELECT._replace(sample=4, sample_run=2, halves=False, select_align=4)
 """Scores then selection with a sample of 4 keys (rows of more than 4 candidates through the sampled threshold),
-each key block scored as one dot."""
-SELECT_WARP = SELECT._replace(select_warps=1, select_segments=1, select_in_memory=True, select_chunk=32)
-"""The selection as programs of one warp: one segment, the kept entries' K-th key by passes over the scratch."""
+each key block scored as one dot, rows read in blocks of 4 keys (SELECT's: 16)."""
+SELECT_WARP = SELECT._replace(select_warps=1, select_segments=1, select_chunk=32, select_align=1)
+"""The selection as programs of one warp: one segment, rows read from lo exactly (no blocks)."""
 PREFILL = [(None, 1), (None, 30), (SMALL[0], 7), (SMALL[1], 7), (SMALL[1], 30), (SELECT, 3), (SELECT, 12),
            (SELECT_WARP, 5)]
 
@@ -146,23 +146,43 @@ def test_exact_through_many_compactions(order):
                                                                               select_capacity=128))
 
 
-def _sampled(n: int, m: int, run: int) -> torch.Tensor:
-    """The offsets within a row of n candidates that `_indexer_select_kernel` samples (m keys in runs of `run`)."""
+def _sampled(n, m, run, align):
+    """The positions of a row of n candidates starting at 0 that `_indexer_select_kernel` samples (m keys in runs
+    of `run`, from the row's blocks of `align` keys; positions past n are the blocks' padding)."""
     i = torch.arange(m)
-    return (i // run) * (n - run) // (m // run - 1) + i % run
+    span = -(-n // align) * align
+    pos = (i // run) * (span - run) // (m // run - 1) // align * align + i % run
+    return pos[pos < n]
 
 
-@pytest.mark.parametrize("in_memory", [False, True])
+@pytest.mark.parametrize("config", [SELECT, SELECT_SAMPLED, SELECT_WARP])
+def test_rows_never_take_slots_past_their_range(config):
+    """A row whose sampled threshold is the least possible key (a sample of 4 keys, one of them its block's
+    padding, and more of the best wanted than the sample holds) after the same workspace row held a longer row's
+    high keys past this row's range: only its own candidates are taken."""
+    B, T, S = 1, 12, 40
+    q, k, w = _inputs(B, T, S)
+    q, w = q.abs() + 1, w.abs() + 1
+    k = k.abs()
+    k[:, 8:16] += 2                                   # the longer rows' best keys lie past the shorter rows' range
+    lo = torch.zeros(B, T, dtype=torch.int64, device=DEVICE)
+    hi = torch.tensor([[S] * 6 + [5] * 6], device=DEVICE)
+    for topk in (1, 3):
+        _assert_exact(q, k, w, lo, hi, topk, False, config)
+
+
+@pytest.mark.parametrize("warp", [False, True])
 @pytest.mark.parametrize("sample_is", ["best", "worst", "tied"])
-def test_exact_when_the_sample_misleads(sample_is, in_memory):
+def test_exact_when_the_sample_misleads(sample_is, warp):
     """Rows whose sampled keys are their best (the threshold keeps fewer than topk: the exact search over the row),
     their worst (it keeps more than the capacity and more than topk lie above it: the same search), or tied with
     all but three late keys (the threshold is the topk-th key, kept with its earliest ties in one pass over the
-    row): still the reference's selection, through the scores-then-selection path."""
+    row): still the reference's selection, through the scores-then-selection path, with rows read in blocks of 16
+    keys or (programs of one warp) from lo exactly."""
     B, T, S, n, d, topk = 1, 4, 200, 2, 16, 8
-    config = (SELECT_WARP if in_memory else SELECT)._replace(select_capacity=32, sample=32, sample_run=4)
+    config = (SELECT_WARP if warp else SELECT)._replace(select_capacity=32, sample=32, sample_run=4)
     picked = torch.zeros(S, dtype=torch.bool)
-    picked[_sampled(S, 32, 4)] = True
+    picked[_sampled(S, 32, 4, config.select_align)] = True
     if sample_is == "tied":
         value = torch.ones(S)
         late = (~picked).nonzero()[-12::4, 0]
@@ -276,6 +296,42 @@ def test_kth_key_for_every_rank():
     assert torch.equal(out.view(-1, 2).cpu().long(), torch.stack([kth, room], -1))
 
 
+if triton is not None:
+    @triton.jit
+    def _kth_above_kernel(x_ptr, low_ptr, out_ptr, N: tl.constexpr, BITS: tl.constexpr):
+        r = tl.program_id(0) + 1
+        x = tl.load(x_ptr + tl.arange(0, N))
+        kth, room = it._kth_key_above(x, r, tl.load(low_ptr + r - 1))
+        tl.store(out_ptr + 3 * r - 3, kth)
+        tl.store(out_ptr + 3 * r - 2, room)
+        tl.store(out_ptr + 3 * r - 1, it._key_at_least(x, r, BITS))
+
+
+@pytest.mark.parametrize("bits", [1, 9, 20])
+def test_narrowed_searches_for_every_rank(bits):
+    """`_kth_key_above` (the K-th key of the kept entries, searched below the bits its lower bound and the tile's
+    largest key share) for every rank r, each with a lower bound at most the r-th largest key: equal to it, just
+    below, far below, INT32_MIN, of either sign; and `_key_at_least` (the sample's threshold): the r-th largest
+    key's first `bits` bits, the rest 0."""
+    spots = torch.tensor([-2 ** 31 + 1, -2 ** 24, -257, -256, -1, 0, 1, 255, 256, 2 ** 16 + 3, 2 ** 24, 2 ** 31 - 1])
+    real = torch.cat([spots, spots[torch.randint(0, len(spots), (40,))] + torch.randint(0, 2, (40,))]).clamp(
+        -2 ** 31 + 1, 2 ** 31 - 1)
+    x = torch.full((64,), -2 ** 31, dtype=torch.int64)
+    x[:len(real)] = real
+    x = x[torch.randperm(64)].to(torch.int32).to(DEVICE)
+    desc = real.sort(descending=True).values
+    r = torch.arange(1, len(real) + 1)
+    kth = desc[r - 1]
+    gap = torch.stack([torch.zeros_like(kth), torch.randint(0, 3, kth.shape), torch.randint(0, 2 ** 20, kth.shape),
+                       kth + 2 ** 31, kth - desc[-1]])[torch.randint(0, 5, kth.shape), r - 1]
+    low = (kth - gap).clamp(min=-2 ** 31)
+    out = torch.empty(3 * len(real), dtype=torch.int32, device=DEVICE)
+    _kth_above_kernel[(len(real),)](x, low.to(torch.int32).to(DEVICE), out, N=64, BITS=bits)
+    room = r - (real[None, :] > kth[:, None]).sum(-1)
+    prefix = kth & ~((1 << (32 - bits)) - 1)
+    assert torch.equal(out.view(-1, 3).cpu().long(), torch.stack([kth, room, prefix], -1))
+
+
 def test_score_keys_order_as_the_scores():
     """The int32 keys the selection compares order every fp32 value as the scores rank: NaN of either sign equal to
     +inf, -0 equal to +0, denormals and infinities in place."""
@@ -362,8 +418,8 @@ def test_launch_configs_and_memory():
     # the causal prefill's default, scores then selection: its workspace no larger than the output
     assert c.select_rows and c.select_rows * 131072 * 4 <= 131072 * 2048 * 4
     assert c.select_rows % c.block_q == 0 and c.key_split % c.block_k == 0
-    scratch = 2 * c.programs * c.select_segments * it._select_capacity(2048, c.sample, 131072) * 8
-    assert scratch <= 300 * 2 ** 20, scratch
+    scratch = 2 * c.programs * c.select_segments * it._select_capacity(2048, c.sample, 131072) * 4
+    assert scratch <= 150 * 2 ** 20, scratch
     assert not it.launch_config(1, 8192, 131072, 64, 128, 2048, causal=False, sms=sms, interpret=False).select_rows
     assert not it.launch_config(1, 8192, 8192, 64, 128, 2048, causal=True, sms=sms, interpret=False,
                                 dtype=torch.float32).select_rows
@@ -406,7 +462,9 @@ def test_edge_shapes_and_errors():
     for bad, match in ((SELECT._replace(sample=24, sample_run=4), "a power of two"),
                        (SELECT._replace(sample=16, sample_run=16), "2 · sample_run"),
                        (SELECT._replace(select_rows=5), "multiple of block_q"),
-                       (SELECT._replace(select_in_memory=True), "one segment")):
+                       (SELECT._replace(select_align=3), "select_align"),
+                       (SELECT._replace(select_align=16, block_k=8), "divide block_k"),
+                       (SELECT._replace(sample_bits=0), "sample_bits")):
         with pytest.raises(ValueError, match=match):
             _run(q, k, w, lo, hi, 3, False, bad)
 
@@ -453,7 +511,8 @@ def test_gpu_bf16_long_prefill_is_a_valid_topk():
     _assert_valid_topk(idx[:, rows], q[:, rows], k, w[:, rows], lo[:, rows], hi[:, rows], topk)
     config = it.launch_config(B, T, T, n, d, topk, causal=True, sms=132, interpret=False)
     assert config.select_rows                                            # the default scores then selects
-    for other in (config._replace(select_rows=0), config._replace(select_rows=4096, sample=8192)):
+    for other in (config._replace(select_rows=0), config._replace(select_rows=4096, sample=8192),
+                  config._replace(select_align=1)):
         assert torch.equal(it.indexer_topk_launch(q, k, w, lo, hi, topk=topk, causal=True, config=other), idx)
 
 

@@ -52,15 +52,20 @@ queries are taken in chunks of select_rows (2,048) of every batch row, two kerne
 (`_indexer_scores_kernel`, one program per block_q queries and key_split keys, the same dots and head sums as the
 streaming kernel) writes each candidate's order key at its position in the query's workspace row: [B·select_rows, S]
 int32, 1 GiB at S = 131,072, no more than the [T, topk] output of a causal prefill at topk = 2048; no key past the
-chunk's last query is scored. The selection kernel (`_indexer_select_kernel`, programs looping over queries) takes each
-query's row: at most topk candidates are all kept; a row of at most `sample` keys is loaded into registers and its
-topk-th key found by bisection on the key's bits (`_kth_key`, one reduction a bit); a longer row takes a threshold from
-a sample (runs of keys spread evenly over the row) set to keep about topk·(1 + 4/sqrt(e)) keys (e the sample's expected
-share of the best), one pass compacts the keys at or above it, in order, into the program's scratch (the row cut into
-segments, each compacted in its own part of the scratch), and the topk-th key is found among them in registers. Exact
-whatever the sample: when the threshold keeps fewer than topk, or more than the scratch holds with topk above it, the
-topk-th key is searched over the row (one pass a bit). The scoring loop holds no selection bookkeeping, which is what
-made the streaming kernel's loop slower than its dots (docs/performance.md, indexer rounds 6 and 7).
+chunk's last query is scored, and the slots of the row's 16-key blocks outside its range get INT32_MIN, so that the
+selection reads whole aligned blocks (16-byte loads). The selection kernel (`_indexer_select_kernel`, programs looping
+over queries) takes each query's row: at most topk candidates are all kept; a row of at most `sample` keys is loaded
+into registers and its topk-th key found by bisection on the key's bits (`_kth_key`, one reduction a bit); a longer
+row takes a threshold from a sample (runs of keys spread evenly over the row; the sample's r-th key to 20 bits, r set
+so that about topk·(1 + 4/sqrt(e)) keys pass, e the sample's expected share of the best), one pass compacts the
+positions of the keys at or above it, in order, into the program's scratch (the row cut into segments, one a warp, each
+compacted by prefix sums within its warp into its own part of the scratch), their keys are gathered back from the row,
+and the topk-th key is found among them in registers, searching only the bits below those the threshold and the
+largest key share. Register tiles give each lane consecutive keys, so a prefix sum costs one shuffle scan a lane, not
+one a key. Exact whatever the sample: when the threshold keeps fewer than topk, or more than the scratch holds with
+topk above it, the topk-th key is searched over the row (one pass a bit). The scoring loop holds no selection
+bookkeeping, which is what made the streaming kernel's loop slower than its dots (docs/performance.md, indexer rounds
+6 to 8).
 
 **Decode.** Few queries (T <= 16, no `causal`) against a long cache: the key range is split into `cdiv(S, split)`
 pieces (split a multiple of BN, fixed by B, S and the SM count); program (b, piece) runs the same streaming top-k
@@ -580,11 +585,12 @@ if triton is not None:
     def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, ws_ptr, T, S, H, D, K, C0, CT, WS, SPLIT,
                                BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                                CAUSAL: tl.constexpr, HALVES: tl.constexpr, PREC: tl.constexpr,
-                               UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr):
+                               UPCAST: tl.constexpr, PAD_HEADS: tl.constexpr, ALIGN: tl.constexpr):
         # program (query block, key split) of the chunk of queries C0 <= t < C0 + CT of every batch row: the order
         # keys of its queries' candidates within the split, each at its position in the query's workspace row
         # (b·CT + t - C0 of [B·CT, WS]). A block whose rows all have at most K candidates scores nothing: the
-        # selection writes those rows from their ranges alone.
+        # selection writes those rows from their ranges alone. The slots of a row's ALIGN-key blocks outside its
+        # range, [lo rounded down to ALIGN, lo) and [hi, hi rounded up), get _FLOOR: the selection reads whole blocks.
         blk = tl.program_id(0)
         sp = tl.program_id(1)
         nqb = CT // BM
@@ -596,6 +602,8 @@ if triton is not None:
         lo = tl.minimum(tl.maximum(tl.load(lo_ptr + bt, mask=rmask, other=0), 0), S).to(tl.int32)
         hi = tl.minimum(tl.maximum(tl.load(hi_ptr + bt, mask=rmask, other=0), 0), S).to(tl.int32)
         has = hi > lo
+        lo_a = (lo // ALIGN * ALIGN)[:, None]
+        hi_a = ((hi + ALIGN - 1) // ALIGN * ALIGN)[:, None]
         s_lo = tl.maximum(tl.min(tl.where(has, lo, S)), sp * SPLIT)
         s_hi = tl.minimum(tl.max(tl.where(has, hi, 0)), sp * SPLIT + SPLIT)
         if CAUSAL:                             # query t is key t: nothing past the block's last query
@@ -615,26 +623,50 @@ if triton is not None:
                     s = s0 + cn
                     sc = _halves_scores(_block_keys(k_row, s, S, D, k_mask, dd, UPCAST), qa, qb, wa, wb, h_mask, BM,
                                         BN, HP, PAD_HEADS, PREC)
-                    tl.store(wrow + s[None, :], _score_key(sc),
-                             mask=(s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]))
+                    cand = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None])
+                    tl.store(wrow + s[None, :], tl.where(cand, _score_key(sc), _FLOOR),
+                             mask=(s[None, :] >= lo_a) & (s[None, :] < hi_a))
             else:
                 qt, wc = _query_operand(q_ptr, w_ptr, b, t0, T, H, D, dd, BM, HP, UPCAST)
                 for s0 in range(s_lo // BN * BN, s_hi, BN):
                     s = s0 + cn
                     sc = _head_sum(_block_dot(k_row, s, qt, S, D, k_mask, dd, PREC, UPCAST), wc, c_mask, BM, BN, HP,
                                    PAD_HEADS)
-                    tl.store(wrow + s[None, :], _score_key(sc),
-                             mask=(s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None]))
+                    cand = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None])
+                    tl.store(wrow + s[None, :], tl.where(cand, _score_key(sc), _FLOOR),
+                             mask=(s[None, :] >= lo_a) & (s[None, :] < hi_a))
+
+    @triton.jit
+    def _key_at_least(key, r, BITS: tl.constexpr):
+        """A key V with #(keys >= V) >= r whose first BITS bits (the sign first) are those of the r-th largest of the
+        int32 keys of a tile and whose other bits are 0 (1 <= r <= the number of keys above _FLOOR): the r-th
+        largest itself at 32 bits, decided bit by bit from the sign down, one reduction a bit. (Radix select by
+        tl.histogram, and seven trial keys a reduction, measured slower on the H100: docs/performance.md, indexer
+        round 7.)"""
+        v = tl.where(tl.sum((key >= 0).to(tl.int32)) >= r, 0, _FLOOR)
+        for i in tl.static_range(BITS - 1):
+            cand = v | (1 << (30 - i))
+            v = tl.where(tl.sum((key >= cand).to(tl.int32)) >= r, cand, v)
+        return v
 
     @triton.jit
     def _kth_key(key, r):
-        """The r-th largest of the int32 keys of a 1-D tile (1 <= r <= the number of keys above _FLOOR) and how many
-        keys equal to it are among the r largest (r minus the keys above it): the largest V with #(keys >= V) >= r,
-        decided bit by bit from the sign down, one reduction a bit. (Radix select by tl.histogram, and seven trial
-        keys a reduction, measured slower on the H100: docs/performance.md, indexer round 7.)"""
-        v = tl.where(tl.sum((key >= 0).to(tl.int32)) >= r, 0, _FLOOR)
-        for i in tl.static_range(31):
-            cand = v | (1 << (30 - i))
+        """The r-th largest of the int32 keys of a tile (1 <= r <= the number of keys above _FLOOR) and how many
+        keys equal to it are among the r largest (r minus the keys above it)."""
+        v = _key_at_least(key, r, 32)
+        return v, r - tl.sum((key > v).to(tl.int32))
+
+    @triton.jit
+    def _kth_key_above(key, r, low):
+        """`_kth_key` of a tile whose r-th largest key is known to be at least `low`: when low and the tile's
+        largest key have the same sign, the bits they share are the r-th largest's too, and only the bits below
+        them are searched (one reduction a bit, one more for the largest)."""
+        high = tl.max(key)
+        same = (low ^ high) >= 0
+        nb = tl.minimum(tl.where(same, _bit_length((low ^ high).to(tl.int64)), 31), 31)   # (an upper bound)
+        v = tl.where(same, low & ~((1 << nb) - 1), tl.where(tl.sum((key >= 0).to(tl.int32)) >= r, 0, _FLOOR))
+        for i in range(nb):
+            cand = v | (1 << (nb - 1 - i))
             v = tl.where(tl.sum((key >= cand).to(tl.int32)) >= r, cand, v)
         return v, r - tl.sum((key > v).to(tl.int32))
 
@@ -658,22 +690,28 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _emit(out_row, key, pos, kth, room):
-        """The positions of a tile's best keys, in tile order, into out_row: every key above kth and the first
-        `room` of those equal to it."""
-        eq = (key == kth).to(tl.int32)
-        if tl.sum(eq) > room:                  # ties at the threshold beyond the room: the earliest stay
-            keep = (key > kth) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < room))
-        else:
-            keep = key >= kth
-        ki = keep.to(tl.int32)
-        tl.store(out_row + tl.cumsum(ki, 0) - ki, pos, mask=keep)
+    def _exclusive_sums(x):
+        """Exclusive prefix sums of an [R, L] tile in the order l·R + u (a thread's R consecutive entries in
+        registers when the tile's layout gives dim 0 to registers and dim 1 to lanes: one shuffle scan over L,
+        not one a key)."""
+        tot = tl.sum(x, 0)
+        return (tl.cumsum(tot, 0) - tot)[None, :] + tl.cumsum(x, 0) - x
 
     @triton.jit
-    def _emit_row(out_row, row, pos_row, lo, n, kth, room, CH: tl.constexpr, MS: tl.constexpr,
-                  STORED: tl.constexpr):
-        """`_emit` over n keys in memory: every key above kth and the first `room` equal to it. Their positions: lo
-        + i (a workspace row), or with STORED the entries of pos_row (a buffer of kept entries)."""
+    def _emit(out_row, key, pos, kth, room):
+        """The positions of an [R, L] tile's best keys, in the tile's order l·R + u, into out_row: every key above
+        kth and the first `room` of those equal to it."""
+        eq = (key == kth).to(tl.int32)
+        if tl.sum(eq) > room:                  # ties at the threshold beyond the room: the earliest stay
+            keep = (key > kth) | ((eq != 0) & (_exclusive_sums(eq) < room))
+        else:
+            keep = key >= kth
+        tl.store(out_row + _exclusive_sums(keep.to(tl.int32)), pos, mask=keep)
+
+    @triton.jit
+    def _emit_row(out_row, row, lo, n, kth, room, CH: tl.constexpr, MS: tl.constexpr):
+        """`_emit` over a workspace row's n keys in memory (positions lo + i): every key above kth and the first
+        `room` equal to it."""
         j = tl.arange(0, CH)
         kept = 0
         ties = 0
@@ -682,25 +720,24 @@ if triton is not None:
             eq = (key == kth).to(tl.int32)
             keep = (key > kth) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < room))
             ki = keep.to(tl.int32)
-            if STORED:
-                pos = tl.load(pos_row + c0 + j, mask=keep, other=0)
-            else:
-                pos = lo + c0 + j
-            tl.store(out_row + kept + tl.cumsum(ki, 0) - ki, pos, mask=keep)
+            tl.store(out_row + kept + tl.cumsum(ki, 0) - ki, lo + c0 + j, mask=keep)
             kept += tl.sum(ki)
             ties += tl.sum(eq)
 
     @triton.jit
-    def _indexer_select_kernel(ws_ptr, lo_ptr, hi_ptr, out_ptr, kb_ptr, pb_ptr, T, S, K, C0, CT, WS, ROWS,
+    def _indexer_select_kernel(ws_ptr, lo_ptr, hi_ptr, out_ptr, pb_ptr, T, S, K, C0, CT, WS, ROWS,
                                M: tl.constexpr, SC: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr,
-                               MS: tl.constexpr, SEG: tl.constexpr, CW: tl.constexpr, IN_MEMORY: tl.constexpr):
+                               MS: tl.constexpr, SEG: tl.constexpr, CW: tl.constexpr, ALIGN: tl.constexpr,
+                               ML: tl.constexpr, CL: tl.constexpr, SW: tl.constexpr, SB: tl.constexpr):
         # a program looping over the queries (b, C0 + i % CT) of workspace rows i = pid, pid + programs, ... <
-        # ROWS: each query's K best candidates, positions ascending. Its scratch: SEG segments of CAP (key,
-        # position) pairs. MS: pipeline stages of the passes over a row. IN_MEMORY (SEG = 1): the kept entries'
-        # K-th key searched by passes over the scratch rather than in registers (for programs of one warp, where
-        # a tile of CAP keys would not fit).
+        # ROWS: each query's K best candidates, positions ascending. Its scratch: SEG segments of CAP positions.
+        # MS: pipeline stages of the passes over a row. A row's workspace is read in whole ALIGN-key blocks, from
+        # lo rounded down to the end of hi's block (the scores kernel wrote _FLOOR in the blocks' slots outside
+        # [lo, hi)), so that at 16 the loads are 16-byte vectors and each thread holds consecutive keys. ML, CL,
+        # SW: lanes of the register tiles ([M / ML, ML] keys of a row or of the sample, [CAP / CL, CL] kept
+        # entries, [CW / SW, SEG, SW] keys a step of the pass), each lane's keys consecutive along dim 0, so that
+        # a prefix sum takes one shuffle scan a lane (`_exclusive_sums`), not one a key.
         pid = tl.program_id(0)
-        kb = kb_ptr + pid.to(tl.int64) * SEG * CAP
         pb = pb_ptr + pid.to(tl.int64) * SEG * CAP
         for i_row in range(pid, ROWS, tl.num_programs(0)):
             b = i_row // CT
@@ -712,62 +749,62 @@ if triton is not None:
                 n = hi - lo
                 out_row = out_ptr + bt * K
                 row = ws_ptr + tl.cast(i_row, tl.int64) * WS + lo
+                base = lo // ALIGN * ALIGN     # the blocks [base, base + span) hold [lo, hi)
+                span = (hi + ALIGN - 1) // ALIGN * ALIGN - base
+                rowa = ws_ptr + tl.cast(i_row, tl.int64) * WS + base
                 # (each branch names its own tiles: Triton merges same-named variables across branches)
                 if n <= K:                     # every candidate, then -1
                     jk = tl.arange(0, CH)
                     for c0 in range(0, K, CH):
                         p = lo + c0 + jk
                         tl.store(out_row + c0 + jk, tl.where(p < hi, p, -1), mask=c0 + jk < K)
-                elif n <= M:                   # the whole row in registers
-                    jm = tl.arange(0, M)
-                    mkey = tl.load(row + jm, mask=jm < n, other=_FLOOR)
+                elif span <= M:                # the whole row in registers
+                    jm = tl.arange(0, ML)[None, :] * (M // ML) + tl.arange(0, M // ML)[:, None]
+                    mkey = tl.load(rowa + jm, mask=jm < span, other=_FLOOR)
                     mkth, mroom = _kth_key(mkey, K)
-                    _emit(out_row, mkey, lo + jm, mkth, mroom)
+                    _emit(out_row, mkey, base + jm, mkth, mroom)
                 else:
-                    # a threshold from a sample (M keys in M / SC runs of SC, evenly spread): its r-th largest key
-                    # V0, r set so that about K·(1 + 4/sqrt(e)) of the row's keys are >= V0 (e = K·M/n, the
-                    # sample's expected share of the K best). One pass keeps the keys >= V0 in order: the row cut
-                    # into SEG segments, each [CW]-step of a segment compacted by a prefix sum within its own row
-                    # of a [SEG, CW] tile into its own part of the scratch, so no step waits for another segment;
-                    # the segments' entries are then read back joined, in position order, when at least K and at
-                    # most CAP were kept, and the K-th largest is found among them in registers.
-                    i = tl.arange(0, M)
-                    start = ((i // SC).to(tl.int64) * (n - SC)) // (M // SC - 1)
+                    # a threshold from a sample (M keys in M / SC runs of SC, evenly spread): V0, the first SB bits
+                    # of its r-th largest key (the rest 0, so at most that key), r set so that about
+                    # K·(1 + 4/sqrt(e)) of the row's keys are >= V0 (e = K·M/n, the sample's expected share of the
+                    # K best). One pass keeps the positions of the keys >= V0 in order: the row cut into SEG
+                    # segments, each step of a segment compacted by a prefix sum within the warp that holds it into
+                    # the segment's own part of the scratch, so no step waits for another segment; the segments'
+                    # entries are then read back joined, in position order, when at least K and at most CAP were
+                    # kept, their keys gathered from the row, and the K-th largest found among them in registers.
+                    i = tl.arange(0, ML)[None, :] * (M // ML) + tl.arange(0, M // ML)[:, None]
+                    soff = (((i // SC).to(tl.int64) * (span - SC)) // (M // SC - 1)).to(tl.int32) // ALIGN * ALIGN \
+                        + i % SC
                     e = (K * M).to(tl.float32) / n.to(tl.float32)
                     r = tl.minimum((e + 4.0 * tl.sqrt(e)).to(tl.int32) + 2, M)
-                    v0, _ = _kth_key(tl.load(row + start + i % SC), r)
+                    # (above _FLOOR: the blocks' padding and the slots past them are never kept)
+                    v0 = tl.maximum(_key_at_least(tl.load(rowa + soff), r, SB), _FLOOR + 1)
                     sg = tl.arange(0, SEG)
-                    jw = tl.arange(0, CW)
-                    seg_len = (n + SEG - 1) // SEG
+                    # a step's [CW / SW, SEG, SW] tile: segment s, lane l, its (CW / SW) consecutive keys u
+                    jw = tl.arange(0, SW)[None, None, :] * (CW // SW) + tl.arange(0, CW // SW)[:, None, None]
+                    seg_len = tl.cdiv(span, SEG * CW) * CW
                     kept = tl.zeros([SEG], tl.int32)
                     for c0 in tl.range(0, seg_len, CW, num_stages=MS):
-                        off = c0 + jw[None, :]
-                        idx = sg[:, None] * seg_len + off
-                        skey = tl.load(row + idx, mask=(off < seg_len) & (idx < n), other=_FLOOR)
-                        skeep = skey >= v0
+                        idx = sg[None, :, None] * seg_len + c0 + jw
+                        skeep = tl.load(rowa + idx, mask=idx < span, other=_FLOOR) >= v0
                         ski = skeep.to(tl.int32)
-                        dest = kept[:, None] + tl.cumsum(ski, 1) - ski
-                        ok = skeep & (dest < CAP)
-                        tl.store(kb + sg[:, None] * CAP + dest, skey, mask=ok)
-                        tl.store(pb + sg[:, None] * CAP + dest, lo + idx, mask=ok)
-                        kept += tl.sum(ski, 1)
+                        tot = tl.sum(ski, 0)   # [SEG, SW]: a lane's kept keys; scanned within the segment's warp
+                        dest = (kept[:, None] + tl.cumsum(tot, 1) - tot)[None, :, :] + tl.cumsum(ski, 0) - ski
+                        tl.store(pb + sg[None, :, None] * CAP + dest, base + idx, mask=skeep & (dest < CAP))
+                        kept += tl.sum(tot, 1)
                     cnt = tl.sum(kept)
                     if (cnt >= K) & (cnt <= CAP):
                         tl.debug_barrier()     # the kept entries are visible to every thread
-                        if IN_MEMORY:
-                            kth_m = _kth_key_in_row(kb, cnt, K, CH, MS)
-                            above_m = _count_at_least(kb, cnt, kth_m + 1, CH, MS)
-                            _emit_row(out_row, kb, pb, lo, cnt, kth_m, K - above_m, CH, MS, True)
-                        else:
-                            first = tl.cumsum(kept, 0) - kept      # each segment's first slot, joined
-                            jb = tl.arange(0, CAP)
-                            src = jb
-                            for w in tl.static_range(1, SEG):
-                                fw = tl.sum(tl.where(sg == w, first, 0))
-                                src = tl.where(jb >= fw, w * CAP + jb - fw, src)
-                            bkey = tl.load(kb + src, mask=jb < cnt, other=_FLOOR)
-                            bkth, broom = _kth_key(bkey, K)
-                            _emit(out_row, bkey, tl.load(pb + src, mask=jb < cnt, other=0), bkth, broom)
+                        first = tl.cumsum(kept, 0) - kept          # each segment's first slot, joined
+                        jb = tl.arange(0, CL)[None, :] * (CAP // CL) + tl.arange(0, CAP // CL)[:, None]
+                        src = jb
+                        for w in tl.static_range(1, SEG):
+                            fw = tl.sum(tl.where(sg == w, first, 0))
+                            src = tl.where(jb >= fw, w * CAP + jb - fw, src)
+                        bpos = tl.load(pb + src, mask=jb < cnt, other=0)
+                        bkey = tl.load(rowa + bpos - base, mask=jb < cnt, other=_FLOOR)
+                        bkth, broom = _kth_key_above(bkey, K, v0)
+                        _emit(out_row, bkey, bpos, bkth, broom)
                     else:
                         # V0 is the K-th key when fewer than K keys lie above it (ties at V0 past CAP); otherwise
                         # the sample misled (the row's order is far from random): the K-th key searched in the row
@@ -778,7 +815,7 @@ if triton is not None:
                         if (cnt < K) | (above >= K):
                             kth = _kth_key_in_row(row, n, K, CH, MS)
                             above = _count_at_least(row, n, kth + 1, CH, MS)
-                        _emit_row(out_row, row, row, lo, n, kth, K - above, CH, MS, False)
+                        _emit_row(out_row, row, lo, n, kth, K - above, CH, MS)
             tl.debug_barrier()                 # this row's scratch is read before the next row's is written
 
 
@@ -824,9 +861,11 @@ class IndexerLaunch(NamedTuple):
     #                           twice `programs`; more than fit the GPU at once run in waves)
     select_segments: int = 8  # scores then selection: segments a long row's pass is cut into (a power of two; as
     #                           many as warps, each segment's prefix sums stay within a warp)
-    select_step: int = 128  # scores then selection: keys a step of each segment (a power of two)
-    select_in_memory: bool = False  # scores then selection, one segment: the kept entries' K-th key by passes
-    #                                 over the scratch, not in registers (programs of one warp)
+    select_step: int = 256  # scores then selection: keys a step of each segment (a power of two)
+    sample_bits: int = 20  # scores then selection: leading bits of the sample's threshold key searched (the rest
+    #                        0: a threshold at most 2^-(sample_bits - 9) relatively below the sample's r-th score)
+    select_align: int = 16  # scores then selection: a row's workspace read in blocks of this many keys (1, 2, 4,
+    #                         8 or 16) from lo rounded down (vector loads, consecutive keys a thread)
 
 
 def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: bool, sms: int,
@@ -1013,12 +1052,15 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     each query's candidates into a workspace row [S] (`_indexer_scores_kernel`, programs of block_q queries by
     `key_split` keys; with `causal` no key past the chunk's last query), then each query's topk best of its row
     (`_indexer_select_kernel`, programs looping over the queries). Workspace: B · select_rows · S · 4 bytes plus
-    the selection's scratch, programs · segments · capacity · 8 bytes, whatever T."""
+    the selection's scratch, programs · segments · capacity · 4 bytes, whatever T."""
     B, T, H, D = q.shape
     S = k.shape[1]
     bm = c.block_q
-    if c.select_in_memory and c.select_segments != 1:
-        raise ValueError(f"indexer_topk_launch: select_in_memory takes one segment, got {c.select_segments}")
+    if not 1 <= c.sample_bits <= 32:
+        raise ValueError(f"indexer_topk_launch: sample_bits must be in [1, 32], got {c.sample_bits}")
+    if c.select_align not in (1, 2, 4, 8, 16) or c.block_k % c.select_align:
+        raise ValueError(f"indexer_topk_launch: select_align must be 1, 2, 4, 8 or 16 and divide block_k "
+                         f"({c.block_k}), got {c.select_align}")
     if c.select_rows % bm or c.key_split % c.block_k or c.sample_run < 1 or c.sample % (2 * c.sample_run) or \
             c.sample != triton.next_power_of_2(c.sample):
         raise ValueError(f"indexer_topk_launch: select_rows ({c.select_rows}) must be a multiple of block_q ({bm}), "
@@ -1030,8 +1072,8 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     i32 = dict(dtype=torch.int32, device=q.device)
     ws = torch.empty(B * ct, cols, **i32)
     programs = min(B * ct, c.select_programs or 2 * max(c.programs, 1))
-    kb = torch.empty(programs, c.select_segments, cap, **i32)
-    pb = torch.empty_like(kb)
+    pb = torch.empty(programs, c.select_segments, cap, **i32)
+    lanes = 32 * c.select_warps
     score_flags = {name: flags[name] for name in ("BM", "BN", "HP", "DP", "HALVES", "PREC", "UPCAST", "PAD_HEADS",
                                                   "num_warps", "num_stages")}
     if "maxnreg" in flags:
@@ -1041,8 +1083,10 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
         keys = min(S, c0 + ct) if causal else S
         grid = (B * ct // bm, max(1, triton.cdiv(keys, c.key_split)))
         _indexer_scores_kernel[grid](q, k, w, lo, hi, ws, T, S, H, D, topk, c0, ct, cols, c.key_split,
-                                     CAUSAL=causal, **score_flags)
-        _indexer_select_kernel[(programs,)](ws, lo, hi, out, kb, pb, T, S, topk, c0, ct, cols, B * ct,
+                                     CAUSAL=causal, ALIGN=c.select_align, **score_flags)
+        _indexer_select_kernel[(programs,)](ws, lo, hi, out, pb, T, S, topk, c0, ct, cols, B * ct,
                                             M=c.sample, SC=c.sample_run, CAP=cap, CH=c.select_chunk,
                                             MS=c.select_stages, SEG=c.select_segments, CW=c.select_step,
-                                            IN_MEMORY=c.select_in_memory, num_warps=c.select_warps, **select_flags)
+                                            ALIGN=c.select_align, ML=min(c.sample, lanes), CL=min(cap, lanes),
+                                            SW=min(c.select_step, 32), SB=c.sample_bits, num_warps=c.select_warps,
+                                            **select_flags)
