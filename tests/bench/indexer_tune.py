@@ -3,7 +3,7 @@ scores + top-k in the same run when cuDNN Frontend's DSA module imports.
 
     PYTHONPATH=. python tests/bench/indexer_tune.py                          # H200: T = 8K, 32K, 64K
     PYTHONPATH=. python tests/bench/indexer_tune.py --tokens 8192 65536 --variants default search move3
-    PYTHONPATH=. python tests/bench/indexer_tune.py --tokens 8192 65536 --variants default stream select-warp
+    PYTHONPATH=. python tests/bench/indexer_tune.py --tokens 8192 65536 --variants default stream select-w4
 
 The shape of `tests/bench/sparse_kernels.py`'s indexer rows: 64 heads × 128, bf16 q and k, fp32 head weights of both
 signs, causal, top 2048, B = 1. Every variant's selection is compared with the first variant's (rows identical;
@@ -59,12 +59,13 @@ SELECT = {
     "select-w4": dict(select_warps=4, select_segments=4),
     "select-sample2k": dict(sample=2048),
     "select-sample8k": dict(sample=8192),
-    "select-warp": dict(select_warps=1, select_segments=1, select_in_memory=True, select_registers=0, sample=1024,
-                        select_chunk=256, select_programs=2048),
-    "select-warp-s512": dict(select_warps=1, select_segments=1, select_in_memory=True, select_registers=0,
-                             sample=512, select_chunk=256, select_programs=2048),
-    "select-warp2": dict(select_warps=2, select_segments=1, select_in_memory=True, select_registers=0, sample=1024,
-                         select_chunk=512, select_step=256, select_programs=2048),
+    "select-align1": dict(select_align=1),
+    "select-w4-s512": dict(select_warps=4, select_segments=4, select_step=512),
+    "select-1wave": dict(select_programs=264),
+    "select-step128": dict(select_step=128),
+    "select-step512": dict(select_step=512),
+    "select-bits32": dict(sample_bits=32),
+    "select-bits16": dict(sample_bits=16),
 }
 """Changes to the causal default, scores then selection in chunks of `select_rows` queries (`_scores_then_select`)."""
 
