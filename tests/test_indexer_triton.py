@@ -418,6 +418,9 @@ def test_launch_configs_and_memory():
     # the causal prefill's default, scores then selection: its workspace no larger than the output
     assert c.select_rows and c.select_rows * 131072 * 4 <= 131072 * 2048 * 4
     assert c.select_rows % c.block_q == 0 and c.key_split % c.block_k == 0
+    for S, rows in ((8192, 8192), (16384, 4096), (20000, 2048), (65536, 2048)):     # larger chunks on short rows,
+        short = it.launch_config(1, S, S, 64, 128, 2048, causal=True, sms=sms, interpret=False)  # within 256 MiB
+        assert short.select_rows == rows and rows * S * 4 <= max(2 ** 28, S * 2048 * 4)
     scratch = 2 * c.programs * c.select_segments * it._select_capacity(2048, c.sample, 131072) * 4
     assert scratch <= 150 * 2 ** 20, scratch
     assert not it.launch_config(1, 8192, 131072, 64, 128, 2048, causal=False, sms=sms, interpret=False).select_rows

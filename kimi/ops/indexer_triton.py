@@ -901,15 +901,17 @@ def launch_config(B: int, T: int, S: int, H: int, D: int, topk: int, *, causal: 
     programs = 0 if split else max(1, min(B * triton.cdiv(T, bm), 3 if interpret else 2 * sms))
     halves = not split and (interpret or dtype != torch.float32)
     # a causal prefill in 16 bits scores then selects, in chunks of 2,048 queries (a workspace of 2,048 x S int32
-    # keys: at topk = 2048 no larger than the output), the selection at 128 registers a thread (two programs of 8
-    # warps fit an SM; the grid of 4 an SM runs in two waves), rows of up to 8,192 keys selected in registers when
-    # S allows it, else a sample of 4,096: measured faster than the streaming top-k from 8K to 128K. With a cache
-    # the streaming top-k stays until measured there.
+    # keys: at topk = 2048 no larger than the output), or of up to 8,192 while the workspace stays within 256 MiB
+    # (S <= 16,384: fewer, fuller launches), the selection at 128 registers a thread (two programs of 8 warps fit
+    # an SM; the grid of 4 an SM runs in two waves), rows of up to 8,192 keys selected in registers when S allows
+    # it, else a sample of 4,096: measured faster than the streaming top-k from 8K to 128K. With a cache the
+    # streaming top-k stays until measured there.
     select = not interpret and causal and not split and dtype != torch.float32
+    rows = max(2048, min(8192, 1 << max(0, (2 ** 26 // max(S, 1)).bit_length() - 1)))
     return IndexerLaunch(block_q=bm, block_k=bn, chunk=chunk, programs=programs, split=split,
                          merge_block=merge_block, num_warps=warps, num_stages=stages,
                          merge_warps=4 if interpret else 8, capacity=0 if split else capacity,
-                         histogram=not split, order="dynamic", halves=halves, select_rows=2048 if select else 0,
+                         histogram=not split, order="dynamic", halves=halves, select_rows=rows if select else 0,
                          select_registers=128 if select else 0, sample=8192 if S <= 8192 else 4096)
 
 
