@@ -55,6 +55,8 @@ others by design)."""
 
 SELECT = {
     "select-4k": dict(select_rows=4096),
+    "select-8k": dict(select_rows=8192),
+    "select-sample4k": dict(sample=4096),
     "select-no-cap": dict(select_registers=0),
     "select-w4": dict(select_warps=4, select_segments=4),
     "select-sample2k": dict(sample=2048),
