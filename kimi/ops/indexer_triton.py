@@ -48,24 +48,23 @@ first, to each program in turn (`order="cyclic"`), in rounds alternating directi
 program is free next through a counter (`"dynamic"`: the longest remaining task to the first free program).
 
 **Scores then selection** (`IndexerLaunch.select_rows` > 0; the default of a causal prefill in 16 bits on a GPU). The
-queries are taken in chunks of select_rows (2,048) of every batch row, two kernels a chunk. The scores kernel
-(`_indexer_scores_kernel`, one program per block_q queries and key_split keys, the same dots and head sums as the
-streaming kernel) writes each candidate's order key at its position in the query's workspace row: [B·select_rows, S]
-int32, 1 GiB at S = 131,072, no more than the [T, topk] output of a causal prefill at topk = 2048; no key past the
-chunk's last query is scored, and the slots of the row's 16-key blocks outside its range get INT32_MIN, so that the
-selection reads whole aligned blocks (16-byte loads). The selection kernel (`_indexer_select_kernel`, programs looping
-over queries) takes each query's row: at most topk candidates are all kept; a row of at most `sample` keys is loaded
-into registers and its topk-th key found by bisection on the key's bits (`_kth_key`, one reduction a bit); a longer
-row takes a threshold from a sample (runs of keys spread evenly over the row; the sample's r-th key to 20 bits, r set
-so that about topk·(1 + 4/sqrt(e)) keys pass, e the sample's expected share of the best), one pass compacts the
+queries are taken in chunks of select_rows (2,048; up to 8,192 on short rows) of every batch row, two kernels a chunk.
+The scores kernel (`_indexer_scores_kernel`, one program per block_q queries and key_split keys, the same dots and head
+sums as the streaming kernel) writes each candidate's order key at its position in the query's workspace row:
+[B·select_rows, S] int32, 1 GiB at S = 131,072, no more than the [T, topk] output of a causal prefill at topk = 2048; no
+key past the chunk's last query is scored, and the slots of the row's 16-key blocks outside its range get INT32_MIN, so
+that the selection reads whole aligned blocks (16-byte loads). The selection kernel (`_indexer_select_kernel`, programs
+looping over queries) takes each query's row: at most topk candidates are all kept; a row of at most `sample` keys is
+loaded into registers and its topk-th key found by bisection on the key's bits (`_kth_key`, one reduction a bit); a
+longer row takes a threshold from a sample (runs of keys spread evenly over the row; the sample's r-th key to 20 bits, r
+set so that about topk·(1 + 4/sqrt(e)) keys pass, e the sample's expected share of the best), one pass compacts the
 positions of the keys at or above it, in order, into the program's scratch (the row cut into segments, one a warp, each
 compacted by prefix sums within its warp into its own part of the scratch), their keys are gathered back from the row,
-and the topk-th key is found among them in registers, searching only the bits below those the threshold and the
-largest key share. Register tiles give each lane consecutive keys, so a prefix sum costs one shuffle scan a lane, not
-one a key. Exact whatever the sample: when the threshold keeps fewer than topk, or more than the scratch holds with
-topk above it, the topk-th key is searched over the row (one pass a bit). The scoring loop holds no selection
-bookkeeping, which is what made the streaming kernel's loop slower than its dots (docs/performance.md, indexer rounds
-6 to 8).
+and the topk-th key is found among them in registers, searching only the bits below those the threshold and the largest
+key share. Register tiles give each lane consecutive keys, so a prefix sum costs one shuffle scan a lane, not one a key.
+Exact whatever the sample: when the threshold keeps fewer than topk, or more than the scratch holds with topk above it,
+the topk-th key is searched over the row (one pass a bit). The scoring loop holds no selection bookkeeping, which is
+what made the streaming kernel's loop slower than its dots (docs/performance.md, indexer rounds 6 to 8).
 
 **Decode.** Few queries (T <= 16, no `causal`) against a long cache: the key range is split into `cdiv(S, split)`
 pieces (split a multiple of BN, fixed by B, S and the SM count); program (b, piece) runs the same streaming top-k
