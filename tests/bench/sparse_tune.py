@@ -143,7 +143,8 @@ def main():
     if "fwd" in a.parts:
         ref = sm.sparse_mla_fwd_triton(q, lat, idx, scale=scale, d_v=DV)[0]
         f = functools.partial(dataclasses.replace, F(t32, block_k=64, num_warps=4, num_stages=2))
-        configs = [f(), f(heads=t64, num_warps=8), f(slot_major=True), f(slot_major=True, num_warps=8),
+        configs = [f(), f(block_k=32), f(block_k=32, num_stages=3), f(block_k=16, num_stages=4),
+                   f(heads=t64, num_warps=8), f(slot_major=True), f(slot_major=True, num_warps=8),
                    f(heads=t64, block_k=32, split_v=2, num_warps=8)]
         sweep(f"forward, T = {T:,}", configs,
               lambda c: sm.sparse_mla_fwd_launch(q, lat, idx, scale=scale, d_v=DV, cfg=c)[0],
