@@ -467,7 +467,10 @@ def test_edge_shapes_and_errors():
                        (SELECT._replace(select_rows=5), "multiple of block_q"),
                        (SELECT._replace(select_align=3), "select_align"),
                        (SELECT._replace(select_align=16, block_k=8), "divide block_k"),
-                       (SELECT._replace(sample_bits=0), "sample_bits")):
+                       (SELECT._replace(sample_bits=0), "sample_bits"),
+                       (SELECT._replace(select_step=48), "select_step=48 must be powers of two"),
+                       (SELECT._replace(select_capacity=48), "select_capacity=48 must be powers of two"),
+                       (SELECT._replace(select_segments=3), "select_segments=3")):
         with pytest.raises(ValueError, match=match):
             _run(q, k, w, lo, hi, 3, False, bad)
 

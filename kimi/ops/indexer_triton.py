@@ -1062,6 +1062,13 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     if c.select_align not in (1, 2, 4, 8, 16) or c.block_k % c.select_align:
         raise ValueError(f"indexer_topk_launch: select_align must be 1, 2, 4, 8 or 16 and divide block_k "
                          f"({c.block_k}), got {c.select_align}")
+    pow2 = {name: getattr(c, name) for name in ("select_step", "select_segments", "select_warps", "select_chunk")}
+    if c.select_capacity:
+        pow2["select_capacity"] = c.select_capacity
+    odd = {name: v for name, v in pow2.items() if v < 1 or v != triton.next_power_of_2(v)}
+    if odd:
+        raise ValueError(f"indexer_topk_launch: {', '.join(f'{n}={v}' for n, v in odd.items())} must be powers of "
+                         f"two (the selection's tiles)")
     if c.select_rows % bm or c.key_split % c.block_k or c.sample_run < 1 or c.sample % (2 * c.sample_run) or \
             c.sample != triton.next_power_of_2(c.sample):
         raise ValueError(f"indexer_topk_launch: select_rows ({c.select_rows}) must be a multiple of block_q ({bm}), "
