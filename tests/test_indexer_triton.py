@@ -277,16 +277,22 @@ if triton is not None:
         tl.store(out_ptr + 2 * r - 1, room)
 
 
-def test_kth_key_for_every_rank():
-    """`_kth_key` (the selection kernel's search of a tile) on int32 keys clustered in a few values across every bit
-    range (ties, both signs, the extremes) with INT32_MIN padding: for every r from 1 to the number of real keys,
-    the r-th largest key and how many of its ties are among the r largest, as sorting gives them."""
+def _clustered_keys():
+    """52 real int32 keys clustered in a few values across every bit range (ties, both signs, the extremes), and
+    the same keys shuffled into a 64-slot tile with INT32_MIN padding."""
     spots = torch.tensor([-2 ** 31 + 1, -2 ** 24, -257, -256, -1, 0, 1, 255, 256, 2 ** 16 + 3, 2 ** 24, 2 ** 31 - 1])
     real = torch.cat([spots, spots[torch.randint(0, len(spots), (40,))] + torch.randint(0, 2, (40,))]).clamp(
         -2 ** 31 + 1, 2 ** 31 - 1)
     x = torch.full((64,), -2 ** 31, dtype=torch.int64)
     x[:len(real)] = real
-    x = x[torch.randperm(64)].to(torch.int32).to(DEVICE)
+    return real, x[torch.randperm(64)].to(torch.int32).to(DEVICE)
+
+
+def test_kth_key_for_every_rank():
+    """`_kth_key` (the selection kernel's search of a tile) on int32 keys clustered in a few values across every bit
+    range (ties, both signs, the extremes) with INT32_MIN padding: for every r from 1 to the number of real keys,
+    the r-th largest key and how many of its ties are among the r largest, as sorting gives them."""
+    real, x = _clustered_keys()
     out = torch.empty(2 * len(real), dtype=torch.int32, device=DEVICE)
     _kth_kernel[(len(real),)](x, out, N=64)
     desc = real.sort(descending=True).values
@@ -313,12 +319,7 @@ def test_narrowed_searches_for_every_rank(bits):
     largest key share) for every rank r, each with a lower bound at most the r-th largest key: equal to it, just
     below, far below, INT32_MIN, of either sign; and `_key_at_least` (the sample's threshold): the r-th largest
     key's first `bits` bits, the rest 0."""
-    spots = torch.tensor([-2 ** 31 + 1, -2 ** 24, -257, -256, -1, 0, 1, 255, 256, 2 ** 16 + 3, 2 ** 24, 2 ** 31 - 1])
-    real = torch.cat([spots, spots[torch.randint(0, len(spots), (40,))] + torch.randint(0, 2, (40,))]).clamp(
-        -2 ** 31 + 1, 2 ** 31 - 1)
-    x = torch.full((64,), -2 ** 31, dtype=torch.int64)
-    x[:len(real)] = real
-    x = x[torch.randperm(64)].to(torch.int32).to(DEVICE)
+    real, x = _clustered_keys()
     desc = real.sort(descending=True).values
     r = torch.arange(1, len(real) + 1)
     kth = desc[r - 1]
