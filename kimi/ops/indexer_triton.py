@@ -939,6 +939,17 @@ def _select_capacity(topk: int, sample: int, most: int) -> int:
     return triton.next_power_of_2(max(topk, int(mean + 6 * sd) + 1))
 
 
+def _select_flags(c: IndexerLaunch, cap: int) -> dict:
+    """`_indexer_select_kernel`'s constexprs and compile options for launch `c` and a scratch capacity `cap`."""
+    lanes = 32 * c.select_warps
+    flags = dict(M=c.sample, SC=c.sample_run, CAP=cap, CH=c.select_chunk, MS=c.select_stages, SEG=c.select_segments,
+                 CW=c.select_step, ALIGN=c.select_align, ML=min(c.sample, lanes), CL=min(cap, lanes),
+                 SW=min(c.select_step, 32), SB=c.sample_bits, num_warps=c.select_warps)
+    if c.select_registers:
+        flags["maxnreg"] = c.select_registers
+    return flags
+
+
 def _stream_flags(c: IndexerLaunch, HP: int, DP: int, prec, upcast: bool, pad_heads: bool) -> dict:
     """`_indexer_stream_kernel`'s constexprs and compile options for launch `c` (heads padded to HP, head width to
     DP), but for CAUSAL, SPLIT_OUT and ORDER, which depend on the path."""
@@ -1081,20 +1092,15 @@ def _scores_then_select(q: Tensor, k: Tensor, w: Tensor, lo: Tensor, hi: Tensor,
     ws = torch.empty(B * ct, cols, **i32)
     programs = min(B * ct, c.select_programs or 2 * max(c.programs, 1))
     pb = torch.empty(programs, c.select_segments, cap, **i32)
-    lanes = 32 * c.select_warps
     score_flags = {name: flags[name] for name in ("BM", "BN", "HP", "DP", "HALVES", "PREC", "UPCAST", "PAD_HEADS",
                                                   "num_warps", "num_stages")}
     if "maxnreg" in flags:
         score_flags["maxnreg"] = flags["maxnreg"]
-    select_flags = {"maxnreg": c.select_registers} if c.select_registers else {}
+    select_flags = _select_flags(c, cap)
     for c0 in range(0, T, ct):
         keys = min(S, c0 + ct) if causal else S
         grid = (B * ct // bm, max(1, triton.cdiv(keys, c.key_split)))
         _indexer_scores_kernel[grid](q, k, w, lo, hi, ws, T, S, H, D, topk, c0, ct, cols, c.key_split,
                                      CAUSAL=causal, ALIGN=c.select_align, **score_flags)
         _indexer_select_kernel[(programs,)](ws, lo, hi, out, pb, T, S, topk, c0, ct, cols, B * ct,
-                                            M=c.sample, SC=c.sample_run, CAP=cap, CH=c.select_chunk,
-                                            MS=c.select_stages, SEG=c.select_segments, CW=c.select_step,
-                                            ALIGN=c.select_align, ML=min(c.sample, lanes), CL=min(cap, lanes),
-                                            SW=min(c.select_step, 32), SB=c.sample_bits, num_warps=c.select_warps,
                                             **select_flags)

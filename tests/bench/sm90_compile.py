@@ -4,7 +4,7 @@ conversions. Launch arguments are specialized as Triton's launcher does (16-byte
 divisible by 16 marked so, ints equal to 1 made constants): without that every gather compiles to 2-byte loads
 and the spills come out several times too large.
 
-    python tests/bench/sm90_compile.py indexer sparse-fwd sparse-dq sparse-dkv kda-fwd
+    python tests/bench/sm90_compile.py indexer indexer-select sparse-fwd sparse-dq sparse-dkv kda-fwd
     python tests/bench/sm90_compile.py kda-bwd
 
 Needs a Triton with its NVIDIA backend (a Linux wheel; the device's version is 3.6: `pip install triton==3.6.0`
@@ -87,6 +87,26 @@ def indexer():
         opts = {o: flags.pop(o) for o in ("num_warps", "num_stages", "maxnreg") if o in flags}
         consts = dict(flags, CAUSAL=True, SPLIT_OUT=False, ORDER=it.TASK_ORDERS[v.order])
         yield f"indexer {v}", report(it._indexer_stream_kernel, ptrs, scalars, consts, **opts)
+
+
+def indexer_select():
+    """The causal prefill's default, scores then selection, at S = 8,192 (rows in registers) and 65,536 (sampled):
+    the scores kernel and the selection kernel as `_scores_then_select` launches them."""
+    for S in (8192, 65536):
+        c = it.launch_config(1, S, S, 64, 128, K, causal=True, sms=132, interpret=False)
+        cap = max(it._select_capacity(K, c.sample, S), K)
+        scalars = dict(T=S, S=S, H=64, D=128, K=K, C0=c.select_rows, CT=c.select_rows, WS=S, SPLIT=c.key_split,
+                       ROWS=c.select_rows)
+        consts = dict(BM=c.block_q, BN=c.block_k, HP=64, DP=128, CAUSAL=True, HALVES=True, PREC=None, UPCAST=False,
+                      PAD_HEADS=False, ALIGN=c.select_align)
+        yield f"indexer scores, S = {S:,}", report(
+            it._indexer_scores_kernel, dict(q_ptr=BF, k_ptr=BF, w_ptr=F32, lo_ptr=I64, hi_ptr=I64, ws_ptr=I32),
+            scalars, consts, num_warps=c.num_warps, num_stages=c.num_stages)
+        flags = it._select_flags(c, cap)
+        opts = {o: flags.pop(o) for o in ("num_warps", "maxnreg") if o in flags}
+        yield f"indexer selection, S = {S:,} ({c.select_rows} rows a chunk)", report(
+            it._indexer_select_kernel, dict(ws_ptr=I32, lo_ptr=I64, hi_ptr=I64, out_ptr=I32, pb_ptr=I32), scalars,
+            flags, **opts)
 
 
 def sparse_fwd():
@@ -378,7 +398,7 @@ def kda_bwd_saved():
             num_stages=1)
 
 
-KERNELS = {"indexer": indexer, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv,
+KERNELS = {"indexer": indexer, "indexer-select": indexer_select, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv,
            "kda-fwd": kda_fwd, "kda-fwd-v4": kda_fwd_v4, "kda-bwd": kda_bwd, "kda-bwd-saved": kda_bwd_saved}
 
 
