@@ -5,7 +5,8 @@
 
 Layer: the gated-MLA layer of the preset at its real widths (K3.1 Pro: hidden 7168, 96 heads with q/k 192 and v 128,
 kv rank 512, indexer 64 x 128 choosing 2,048 keys), B = 1, bf16, random weights, one document of T tokens, eager
-(each op as PyTorch runs it; the later kernels add rows). Rows per T:
+(each op as PyTorch runs it; the later kernels add rows; `--compile`: the layer through `torch.compile(fullgraph=True)`
+as train.py runs it, the first call of each row untimed). Rows per T:
 
 - `gather`: `Backend(attn="gather")`, ranges instead of masks: blocked indexer top-k, attention over the gathered
   latents in the absorbed form;
@@ -100,6 +101,10 @@ def mla_layer(cfg, device):
 
 def layer_rows(a, cfg, device):
     p = mla_layer(cfg, device)
+    layer = gated_mla
+    if a.compile:   # as train.py runs a layer: one graph (fullgraph), the kernels as custom ops
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        layer = torch.compile(gated_mla, **kimi.compile_options(fullgraph=True, dynamic=False))
     H, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     k = cfg.index_topk
     try:
@@ -121,9 +126,9 @@ def layer_rows(a, cfg, device):
             ranges = document_ranges(doc, span)
             if not grad:
                 with torch.no_grad():
-                    return gated_mla(p, x, cfg, backend, ranges=ranges)
+                    return layer(p, x, cfg, backend, ranges=ranges)
             xg = x.detach().requires_grad_()
-            y = gated_mla(p, xg, cfg, backend, ranges=ranges)
+            y = layer(p, xg, cfg, backend, ranges=ranges)
             y.backward(dy)
             return y, xg.grad
 
@@ -240,6 +245,9 @@ def main():
     ap.add_argument("--max-sdpa", type=int, default=32768, help="longest T for the dense-mask row (64K: OOM)")
     ap.add_argument("--paths", nargs="*", default=[], choices=["triton", "cudnn", "gather", "sdpa"],
                     help="layer rows to run (default: all); 'gather' includes its short-document row")
+    ap.add_argument("--compile", action="store_true",
+                    help="the layer rows through torch.compile(fullgraph=True), as train.py runs a layer (the first "
+                         "call of each row compiles: untimed)")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel profile of each path's forward+backward, and of each prefill row (per chunk)")
     ap.add_argument("--prefill", type=int, nargs="*", default=[131072, 32768])
