@@ -181,6 +181,134 @@ if triton is not None:
         tl.store(lse_ptr + out * H + h, lse, mask=h + vb * H < H)           # value block 0 writes it
 
     @triton.jit
+    def _cols(row_ptr, rows_ok, c, lim, FULL: tl.constexpr):
+        """The columns c of the rows at row_ptr [rows] (zeros on rows not rows_ok and, unless FULL, at c >= lim)."""
+        if FULL:
+            return tl.load(row_ptr[:, None] + c[None, :], mask=rows_ok[:, None], other=0.0)
+        return tl.load(row_ptr[:, None] + c[None, :], mask=rows_ok[:, None] & (c[None, :] < lim), other=0.0)
+
+    @triton.jit
+    def _fwd_chunks_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, R, T, S, H, K, D, DV, h_start, NT, NS, KS,
+                           scale2, BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
+                           DTP: tl.constexpr, IB: tl.constexpr, F32: tl.constexpr, LAZY: tl.constexpr,
+                           FULL: tl.constexpr, OFF64: tl.constexpr, CHAINS: tl.constexpr = 2):
+        # `_fwd_kernel` with the value columns in NC (1, 2 or 4) chunks of CW: each chunk's gathered tile has a
+        # layout whose threads hold few rows (one offset serves every chunk: [64, 128] tiles hold 8 rows a thread
+        # where one [64, 512] tile holds 32), its own accumulator, and the scores are two independent dot chains.
+        # LAZY: the accumulators are rescaled only when some head's running max grew by more than 2^8 (a uniform
+        # branch); otherwise p is taken against the old max (p <= 2^8: exact in the dots' dtypes' range).
+        # FULL: the widths are exactly BV and DTP (no column masks).
+        CW: tl.constexpr = BV // NC
+        tile, _vb, split, row = _fwd_program(NT, 1, NS)
+        h = h_start + tile * BH + tl.arange(0, BH)
+        hm = h < H
+        q_row = q_ptr + (row * H + h) * D
+        idx_row = idx_ptr + row * K
+        cw = tl.arange(0, CW)
+        ct = DV + tl.arange(0, DTP)
+        q_t = _cols(q_row, hm, ct, D, FULL)
+        q0 = _cols(q_row, hm, cw, DV, FULL)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        if NC >= 2:
+            q1 = _cols(q_row, hm, CW + cw, DV, FULL)
+        if NC >= 4:
+            q2 = _cols(q_row, hm, 2 * CW + cw, DV, FULL)
+            q3 = _cols(q_row, hm, 3 * CW + cw, DV, FULL)
+        k_lo = (split * KS).to(tl.int32)
+        k_end = _key_end(idx_row, k_lo, tl.minimum(k_lo + KS, K), S, IB)
+        m = tl.full([BH], float("-inf"), tl.float32)
+        m_use = tl.zeros([BH], tl.float32)
+        l = tl.zeros([BH], tl.float32)
+        acc0 = tl.zeros([BH, CW], tl.float32)
+        acc1 = tl.zeros([BH, CW], tl.float32)
+        acc2 = tl.zeros([BH, CW], tl.float32)
+        acc3 = tl.zeros([BH, CW], tl.float32)
+        for k0 in range(k_lo, k_end, BK):
+            if OFF64:
+                valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
+            else:   # the latent has fewer than 2^31 elements: 32-bit row offsets (fewer registers a row)
+                slot = k0 + tl.arange(0, BK)
+                ix = tl.load(idx_row + slot, mask=slot < k_end, other=-1)
+                valid = (ix >= 0) & (ix < S)
+                kv_off = ((row // T).to(tl.int32) * S + tl.where(valid, ix, 0)) * D
+            kv_row = lat_ptr + kv_off
+            kt = _cols(kv_row, valid, ct, D, FULL)
+            k0v = _cols(kv_row, valid, cw, DV, FULL)
+            s = _mm(q0, tl.trans(k0v), _mm(q_t, tl.trans(kt), tl.zeros([BH, BK], tl.float32), F32), F32)
+            k1v = k0v
+            k2v = k0v
+            k3v = k0v
+            if NC >= 2:
+                k1v = _cols(kv_row, valid, CW + cw, DV, FULL)
+                if NC >= 4:
+                    k2v = _cols(kv_row, valid, 2 * CW + cw, DV, FULL)
+                    k3v = _cols(kv_row, valid, 3 * CW + cw, DV, FULL)
+                    s_b = _mm(q3, tl.trans(k3v), _mm(q2, tl.trans(k2v), tl.zeros([BH, BK], tl.float32), F32), F32)
+                    s = _mm(q1, tl.trans(k1v), s, F32) + s_b
+                elif CHAINS == 2:
+                    s = s + _mm(q1, tl.trans(k1v), tl.zeros([BH, BK], tl.float32), F32)
+                else:
+                    s = _mm(q1, tl.trans(k1v), s, F32)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1) * scale2)
+            if LAZY:
+                grow = m_new > m + 8.0
+                if tl.max(grow.to(tl.int32), 0) > 0:
+                    m_next = tl.where(grow, m_new, m)
+                    m_use = tl.where(m_next == float("-inf"), 0.0, m_next)
+                    alpha = tl.exp2(m - m_use)
+                    l = l * alpha
+                    acc0 = acc0 * alpha[:, None]
+                    if NC >= 2:
+                        acc1 = acc1 * alpha[:, None]
+                    if NC >= 4:
+                        acc2 = acc2 * alpha[:, None]
+                        acc3 = acc3 * alpha[:, None]
+                    m = m_next
+            else:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_use)
+                l = l * alpha
+                acc0 = acc0 * alpha[:, None]
+                if NC >= 2:
+                    acc1 = acc1 * alpha[:, None]
+                if NC >= 4:
+                    acc2 = acc2 * alpha[:, None]
+                    acc3 = acc3 * alpha[:, None]
+                m = m_new
+            p = tl.exp2(s * scale2 - m_use[:, None])
+            l = l + tl.sum(p, 1)
+            p = p.to(k0v.dtype)
+            acc0 = _mm(p, k0v, acc0, F32)
+            if NC >= 2:
+                acc1 = _mm(p, k1v, acc1, F32)
+            if NC >= 4:
+                acc2 = _mm(p, k2v, acc2, F32)
+                acc3 = _mm(p, k3v, acc3, F32)
+        ok = l > 0
+        inv = tl.where(ok, 1.0 / tl.where(ok, l, 1.0), 0.0)[:, None]
+        lse = tl.where(ok, (m + tl.log2(tl.where(ok, l, 1.0))) * 0.6931471805599453, float("-inf"))
+        out = split * R + row
+        o_row = o_ptr + (out * H + h) * DV
+        _store_cols(o_row, hm, cw, DV, acc0 * inv, FULL)
+        if NC >= 2:
+            _store_cols(o_row, hm, CW + cw, DV, acc1 * inv, FULL)
+        if NC >= 4:
+            _store_cols(o_row, hm, 2 * CW + cw, DV, acc2 * inv, FULL)
+            _store_cols(o_row, hm, 3 * CW + cw, DV, acc3 * inv, FULL)
+        tl.store(lse_ptr + out * H + h, lse, mask=hm)
+
+    @triton.jit
+    def _store_cols(row_ptr, rows_ok, c, lim, x, FULL: tl.constexpr):
+        if FULL:
+            tl.store(row_ptr[:, None] + c[None, :], x.to(row_ptr.dtype.element_ty), mask=rows_ok[:, None])
+        else:
+            tl.store(row_ptr[:, None] + c[None, :], x.to(row_ptr.dtype.element_ty),
+                     mask=rows_ok[:, None] & (c[None, :] < lim))
+
+    @triton.jit
     def _merge_kernel(op_ptr, lp_ptr, o_ptr, lse_ptr, RH, NS, DV, NSP: tl.constexpr, BC: tl.constexpr,
                       NC: tl.constexpr):
         # one program per (row, head): the splits' normalized partials weighted by e^{lse_i − lse}
@@ -950,6 +1078,11 @@ class FwdConfig:
     wgmma (M = block_k >= 64 a warpgroup; mma.sync otherwise) and q is not held in registers: at 32 heads, 64
     slots and 8 warps it compiles for sm_90 without spills (the default kernel: 255 registers and spills at 4
     warps, mma.sync at any). Same numerics up to the order of the fp32 sums."""
+    value_chunks: int = 0
+    """Run `_fwd_chunks_kernel` with the value columns in this many chunks (1, 2 or 4; 0: `_fwd_kernel`): each
+    chunk gathered as its own tile with its own accumulator, the scores as two dot chains (split_v must be 1)."""
+    lazy_rescale: bool = False
+    """With value_chunks: rescale the accumulators only when a head's running max grew by more than 2^8."""
     num_warps: int = 8
     num_stages: int = 2
 
@@ -1173,6 +1306,9 @@ def sparse_mla_fwd_launch(q: Tensor, latent: Tensor, indices: Tensor, *, scale: 
     DVP, DTP = _widths(D, d_v)
     if sum(cfg.heads) < H or any(t < 16 or t & (t - 1) for t in cfg.heads):
         raise ValueError(f"sparse_mla: head tiles {cfg.heads} must be powers of two >= 16 covering H={H}")
+    if cfg.value_chunks not in (0, 1, 2, 4) or cfg.value_chunks and (cfg.split_v != 1 or cfg.slot_major):
+        raise ValueError(f"sparse_mla: value_chunks={cfg.value_chunks} must be 0, 1, 2 or 4, with split_v=1 and not "
+                         f"slot_major")
     if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1) or DVP % cfg.split_v or DVP // cfg.split_v < 16:
         raise ValueError(f"sparse_mla: block_k={cfg.block_k} must be a power of two >= 16 and split_v="
                          f"{cfg.split_v} must divide the padded value width {DVP} into blocks of >= 16")
@@ -1190,6 +1326,15 @@ def sparse_mla_fwd_launch(q: Tensor, latent: Tensor, indices: Tensor, *, scale: 
     else:
         o_out, lse_out = o, lse
     for h0, bh, nt in _head_launches(cfg.heads):
+        if cfg.value_chunks:
+            BV = max(DVP, 16 * cfg.value_chunks)            # chunks of 16 columns at least
+            _fwd_chunks_kernel[(R * NS * nt,)](
+                q, latent, indices, o_out, lse_out, R, T, S, H, K, D, d_v, h0, nt, NS, KS, scale * LOG2E,
+                BH=bh, BK=cfg.block_k, BV=BV, NC=cfg.value_chunks, DTP=DTP, IB=_index_block(K),
+                F32=_f32_dots(q.dtype), LAZY=cfg.lazy_rescale, FULL=BV == d_v and DTP == D - d_v,
+                OFF64=latent.numel() >= 2**31,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            continue
         (_fwd_kernel_sm if cfg.slot_major else _fwd_kernel)[(R * NS * cfg.split_v * nt,)](
             q, latent, indices, o_out, lse_out, R, T, S, H, K, D, d_v, h0, nt, NS, KS, scale * LOG2E,
             BH=bh, BK=cfg.block_k, BV=DVP // cfg.split_v, NV=cfg.split_v, DTP=DTP, IB=_index_block(K),
