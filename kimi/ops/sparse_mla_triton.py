@@ -17,6 +17,14 @@ dots (values and tail), and an online softmax in base 2 (σ·log2 e folded into 
 row first), so the short causal rows of a prefill cost what they hold. The output is divided once at the end.
 A row without a valid index gives o = 0 and lse = −inf, as the reference's `logsumexp` does.
 
+`_fwd_chunks_kernel` (`value_chunks`, the default) is the same program with the value columns gathered as 1, 2 or
+4 separate tiles, each with its own accumulator. Triton lays a [64, 512] gathered tile out one 16-byte vector a
+row per thread, so every thread forms 32 row addresses a step; [64, 256] tiles take 16, and the chunks share
+them. Row offsets are 32-bit when the latent has fewer than 2^31 elements. With `lazy_rescale` the accumulators
+are rescaled only when some head's running max grew by more than 2^8 since the last rescale (one uniform branch
+a step); otherwise p is formed against the older max (p ≤ 2^8, well inside bf16's range) and the final division
+by l cancels the difference.
+
 Heads: Triton block dims are powers of two, so 96 heads run as tiles that cover them exactly: three 32-head tiles
 in one launch (the default), or a 64-head and a 32-head launch. Every head tile gathers the query's rows again
 (mostly from L2: the tiles of one query are neighbours in the grid), so per query the gathered traffic is
@@ -1185,14 +1193,16 @@ def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.d
                dtype: torch.dtype = torch.bfloat16) -> FwdConfig:
     """The forward's launch for a shape. 16-bit: 32-head tiles (96 heads: three, no padding), 4 warps (the H200
     sweeps of tests/bench/sparse_tune.py: faster than 8 and than 64 + 32 head tiles), 64 slots a step in two stages
-    (two [64, 576] bf16 tiles of gathered rows fit beside q), the value columns whole. fp32 (the parity path; its
+    (two [64, 576] bf16 tiles of gathered rows fit beside q), `_fwd_chunks_kernel` with the value columns in two
+    chunks and the lazy rescale (faster than one or four chunks and than `_fwd_kernel`). fp32 (the parity path; its
     IEEE dots run on FMA units with fp32 operands staged in shared memory): 16-head tiles, 32 slots, one stage.
     Key splits when the (query, head tile) programs would not fill the GPU twice over, each split at least two
     steps long."""
     if dtype == torch.float32:
-        cfg = FwdConfig(heads=head_tiles(H, 16), block_k=32, num_stages=1)
+        cfg = FwdConfig(heads=head_tiles(H, 16), block_k=32, num_stages=1, value_chunks=2, lazy_rescale=True)
     else:
-        cfg = FwdConfig(heads=head_tiles(H, 32), block_k=32 if k <= 32 else 64, num_warps=4)
+        cfg = FwdConfig(heads=head_tiles(H, 32), block_k=32 if k <= 32 else 64, num_warps=4, value_chunks=2,
+                        lazy_rescale=True)
     programs = B * T * len(cfg.heads)
     target = 2 * sm_count(device)
     if 0 < programs < target and k > 2 * cfg.block_k:
