@@ -137,20 +137,6 @@ def test_decode_steps_with_cache_hints_and_pipelined_blocks(stages):
     _decode_steps("K=24, V=40 in blocks of 16, W=3", torch.bfloat16, stream=True, stages=stages)
 
 
-@pytest.mark.parametrize("splits", [2, 4])
-def test_decode_steps_with_column_splits(splits):
-    """Several programs a (row, head) (`splits`), each with its share of the column blocks: each computes the q and
-    k convs, the last one to finish them shifts the q and k tails, each shifts its own v channels."""
-    _decode_steps("K3 heads K=V=128", torch.bfloat16, splits=splits)
-
-
-def test_decode_column_splits_three_blocks_and_refused_split():
-    """Three column blocks over three programs; a split that does not divide the column blocks is refused by name."""
-    _decode_steps("K=24, V=40 in blocks of 16, W=3", torch.float32, splits=3)
-    with pytest.raises(ValueError, match="splits=2 must divide the 3 column blocks"):
-        _decode_steps("K=24, V=40 in blocks of 16, W=3", torch.float32, splits=2)
-
-
 def _decode_steps(shape, dtype, **launch):
     B, H, K, V, W, block_v = SHAPES[shape]
     scale = K ** -0.5
@@ -317,8 +303,7 @@ def test_launch_config_and_errors():
 # ---------------------------------------------------------------------------------------------- GPU, K3 decode shape
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(splits=2), dict(splits=4)],
-                         ids=["default", "stream", "splits2", "splits4"])
+@pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32)], ids=["default", "stream"])
 def test_gpu_k3_decode_matches_reference(launch):
     """B=64, H=96, K=V=128, bf16 activations, fp32 state, three steps (rows restarting at each, and mid-document),
     against the float64 reference on the GPU. At this size near-tie roundings are not redrawn (~1e-4 of the rounded

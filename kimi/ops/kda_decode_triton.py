@@ -35,10 +35,9 @@ if triton is not None:
 
     @triton.jit
     def _conv_token(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr,
-                    DT: tl.constexpr, EMULATE: tl.constexpr, SHIFT: tl.constexpr = True):
-        """silu(causal conv) of row b's new token over channels ch [BC] (mask m), as fp32 rounded to DT; with SHIFT
-        shifts the tail [B, W−1, C] by one in place (the new raw input last). x [B, C], weights [C, 1, W], reset
-        [B, W]."""
+                    DT: tl.constexpr, EMULATE: tl.constexpr):
+        """silu(causal conv) of row b's new token over channels ch [BC] (mask m), as fp32 rounded to DT; shifts the
+        tail [B, W−1, C] by one in place (the new raw input last). x [B, C], weights [C, 1, W], reset [B, W]."""
         j = tl.arange(0, BW)                                   # tail rows = window positions 0..W-2
         rows = j < W - 1
         later = tl.load(reset_ptr + b * W + j[None, :], mask=(j[None, :] > j[:, None]) & (j[None, :] < W), other=0)
@@ -51,25 +50,12 @@ if triton is not None:
         w_last = tl.load(w_ptr + ch * W + (W - 1), mask=m, other=0.0).to(tl.float32)
         y = tl.sum(tl.where(alive[:, None], t.to(tl.float32) * w, 0.0), 0) + w_last * x.to(tl.float32)
         y = y * tl.sigmoid(y)
-        if SHIFT:
-            # Every thread holding a tail element must have read it before any thread overwrites it (a layout
-            # may replicate elements across warps).
-            tl.debug_barrier()
-            tl.store(tail_rows - C, t, mask=m2 & (j[:, None] >= 1))
-            tl.store(tail_ptr + (b * (W - 1) + W - 2) * C + ch, x, mask=m)
-        return _to16(y, DT, EMULATE).to(tl.float32)
-
-    @triton.jit
-    def _shift_tail(x_ptr, tail_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr):
-        """`_conv_token`'s shift alone: tail [B, W−1, C] of row b over channels ch moved up by one row, x last."""
-        j = tl.arange(0, BW)
-        m2 = (j[:, None] < W - 1) & m[None, :]
-        tail_rows = tail_ptr + (b * (W - 1) + j[:, None]) * C + ch[None, :]
-        t = tl.load(tail_rows, mask=m2, other=0.0)
-        x = tl.load(x_ptr + b * C + ch, mask=m, other=0.0)
+        # Every thread holding a tail element must have read it before any thread overwrites it (a layout may
+        # replicate elements across warps).
         tl.debug_barrier()
         tl.store(tail_rows - C, t, mask=m2 & (j[:, None] >= 1))
         tl.store(tail_ptr + (b * (W - 1) + W - 2) * C + ch, x, mask=m)
+        return _to16(y, DT, EMULATE).to(tl.float32)
 
     @triton.jit
     def _l2norm(x, eps, DT: tl.constexpr, EMULATE: tl.constexpr):
@@ -79,10 +65,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, tq_ptr, tk_ptr, tv_ptr, reset_ptr,
-                       g_ptr, beta_ptr, state_ptr, o_ptr, count_ptr, H, K, V, scale, eps,
+                       g_ptr, beta_ptr, state_ptr, o_ptr, H, K, V, scale, eps,
                        W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
                        CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                       STREAM: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr = 1):
+                       STREAM: tl.constexpr, STAGES: tl.constexpr):
         # program (b·H + h, column split s): columns [s·NB·BV, (s+1)·NB·BV) of S in NB blocks of BV. With CONV
         # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
         # [B, H, K] are normalized, v [B, H, V], reset [B] (HAS_RESET). g [B, H, K], beta [B, H], state
@@ -94,21 +80,10 @@ if triton is not None:
         mk = kk < K
         if CONV:
             keep = tl.load(reset_ptr + b * W + (W - 1)) == 0
-            ck = h * K + kk
-            q = _l2norm(_conv_token(q_ptr, tq_ptr, wq_ptr, reset_ptr, b, ck, mk, H * K, W, BW, DT, EMULATE,
-                                    SPLIT == 1), eps, DT, EMULATE)
-            k = _l2norm(_conv_token(k_ptr, tk_ptr, wk_ptr, reset_ptr, b, ck, mk, H * K, W, BW, DT, EMULATE,
-                                    SPLIT == 1), eps, DT, EMULATE)
-            if SPLIT > 1:
-                # The SPLIT programs of (b, h) all read the q and k tails; the last to count itself in (its
-                # acquire after every other's release: their reads are done) shifts them. count_ptr is zeroed
-                # before the launch.
-                tl.debug_barrier()
-                n = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
-                tl.debug_barrier()
-                if n == SPLIT - 1:
-                    _shift_tail(q_ptr, tq_ptr, b, ck, mk, H * K, W, BW)
-                    _shift_tail(k_ptr, tk_ptr, b, ck, mk, H * K, W, BW)
+            q = _l2norm(_conv_token(q_ptr, tq_ptr, wq_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
+                        eps, DT, EMULATE)
+            k = _l2norm(_conv_token(k_ptr, tk_ptr, wk_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
+                        eps, DT, EMULATE)
         else:
             if HAS_RESET:
                 keep = tl.load(reset_ptr + b) == 0
@@ -159,16 +134,12 @@ def decode_config(K: int, V: int, fused: bool = True) -> tuple[int, int, int]:
     return BK, BV, max(1, min(8, BK * BV // 2048))
 
 
-FUSED_SPLITS = 1
-"""Programs per (row, head) of the fused step, each owning NV / FUSED_SPLITS of the column blocks (the last of them
-to finish its q/k convs shifts the q/k tails)."""
-
 STREAM = False
 """Cache hints on the state's load and store (evict-first, streaming): a benchmark's option until timed."""
 
 
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
-            split_v, stream=None, stages=1, splits=None):
+            split_v, stream=None, stages=1):
     B, H, K, V = state.shape
     BK, BV, warps = decode_config(K, V, fused=not split_v)
     if block_v is not None or num_warps is not None:   # a benchmark's choice
@@ -176,27 +147,20 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
             raise ValueError(f"kda decode: block_v={block_v} must be a power of two")
         BV, warps = block_v or BV, num_warps or warps
     NV = triton.cdiv(V, BV)
-    if split_v:
-        NB, n = 1, NV
-    else:
-        n = min(NV, FUSED_SPLITS if splits is None else splits)
-        if n < 1 or NV % n:
-            raise ValueError(f"kda decode: splits={splits} must divide the {NV} column blocks of {BV}")
-        NB = NV // n
-    count = torch.zeros(B * H if conv and n > 1 else 1, dtype=torch.int32, device=state.device)
+    NB, splits = (1, NV) if split_v else (NV, 1)
     if B * H:
-        _decode_kernel[(B * H, n)](
-            q, k, v, *weights, *tails, reset, g, beta, state, o, count, H, K, V, scale, eps,
+        _decode_kernel[(B * H, splits)](
+            q, k, v, *weights, *tails, reset, g, beta, state, o, H, K, V, scale, eps,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
-            STAGES=stages, SPLIT=n if conv else 1, num_warps=warps)
+            STAGES=stages, num_warps=warps)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
                            v_weight: Tensor, q_tail: Tensor, k_tail: Tensor, v_tail: Tensor, conv_reset: Tensor,
                            g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
                            block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None,
-                           stages: int = 1, splits: int | None = None) -> Tensor:
+                           stages: int = 1) -> Tensor:
     """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
 
     Args:
@@ -211,8 +175,7 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         state [B, H, K, V] float32, contiguous: the recurrent state, updated in place.
         scale: the query scale (K^-1/2); eps: `l2norm`'s (inside the sqrt).
         block_v, num_warps: override `decode_config`; stream: cache hints (`STREAM`); stages: the column-block
-            loop's software-pipelining depth; splits: programs per (row, head), each with a share of the column
-            blocks (`FUSED_SPLITS`; benchmarks).
+            loop's software-pipelining depth (benchmarks).
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """
@@ -239,7 +202,7 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         t.contiguous() for t in (q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, g, beta))
     _launch(q_raw, k_raw, v_raw, (q_weight, k_weight, v_weight), (q_tail, k_tail, v_tail),
             conv_reset.contiguous().view(torch.uint8), g, beta, state, o, scale=scale, eps=eps, W=W, conv=True,
-            block_v=block_v, num_warps=num_warps, split_v=False, stream=stream, stages=stages, splits=splits)
+            block_v=block_v, num_warps=num_warps, split_v=False, stream=stream, stages=stages)
     return o
 
 

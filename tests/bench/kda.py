@@ -207,10 +207,6 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
     rows["ours kda_decode_step_triton, streaming cache hints"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale, stream=True))
-    for n, bv, warps in ((2, 32, 2), (4, 32, 2), (2, 64, 4)):   # several programs a (row, head)
-        rows[f"ours kda_decode_step_triton, {n} programs a head, [128, {bv}] blocks, {warps} warps"] = (
-            lambda n=n, bv=bv, warps=warps: kda_decode_triton.kda_decode_step_triton(
-                *raw, *weights, *tails, conv_reset, g, beta, s, scale=scale, splits=n, block_v=bv, num_warps=warps))
     res = {name: [] for name in rows}
     for _ in range(5):   # interleaved rounds: the GPU's drift (±15 % between calls) lands on every row alike
         for name, fn in rows.items():
