@@ -455,6 +455,54 @@ def test_cuda_release_sizes_match_float64(T, S):
     assert torch.equal(dets[0][0], dq) and rel_err(dets[0][1], dl) < 1e-2
 
 
+def _long_rows_check(T, H, D, d_v, k, device):
+    """Forward and backward at length T (bf16, causal rows of min(t + 1, k) random keys), checked where float64 is
+    affordable: o, LSE and dq on sampled rows (the first, the middle and the last, where q's offsets pass 2^31
+    elements at 128K) against the float64 reference on those rows; dlatent of the sampled rows' own backward
+    against float64; and the full run's dlatent against the sum of two half runs (rows from offset 0 again)."""
+    scale = 192 ** -0.5
+    q = torch.randn(1, T, H, D, device=device, dtype=torch.bfloat16)
+    do = torch.randn(1, T, H, d_v, device=device, dtype=torch.bfloat16)
+    lat = torch.randn(1, T, D, device=device, dtype=torch.bfloat16)
+    dlse = torch.randn(1, T, H, device=device)
+    t = torch.arange(T, device=device)[:, None]
+    idx = (torch.rand(T, k, device=device) * (t + 1)).int().clamp(max=T - 1)
+    idx = torch.where(torch.arange(k, device=device)[None] <= t, idx, -1)[None]
+    o, lse = sm.sparse_mla_fwd_triton(q, lat, idx, scale=scale, d_v=d_v)
+    dq, dl = sm.sparse_mla_bwd_triton(q, lat, idx, o, lse, do, dlse, scale=scale, d_v=d_v)
+    n = min(16, T // 4)
+    rows = torch.cat([torch.arange(n), T // 2 + torch.arange(n), T - 2 * n + torch.arange(2 * n)]).to(device)
+    sub = [x[:, rows].contiguous() for x in (q, idx, do, dlse)]
+    o_r, lse_r = sparse_mla_gather(sub[0].double(), lat.double(), sub[1], scale=scale, d_v=d_v)
+    dq_r, dl_r = sparse_mla_gather_bwd(sub[0].double(), lat.double(), sub[1], o_r, lse_r, sub[2].double(),
+                                       sub[3].double(), scale=scale, d_v=d_v)
+    tol = TOL[torch.bfloat16]
+    errs = dict(o=rel_err(o[:, rows], o_r), lse=rel_err(lse[:, rows], lse_r), dq=rel_err(dq[:, rows], dq_r))
+    _, dl_sub = sm.sparse_mla_bwd_triton(sub[0], lat, sub[1], o[:, rows].contiguous(), lse[:, rows].contiguous(),
+                                         sub[2], sub[3], scale=scale, d_v=d_v)
+    errs["dlatent of the sampled rows"] = rel_err(dl_sub, dl_r)
+    del dq, dl_sub
+    h = T // 2
+    halves = [sm.sparse_mla_bwd_triton(q[:, a:b], lat, idx[:, a:b], o[:, a:b], lse[:, a:b], do[:, a:b],
+                                       dlse[:, a:b], scale=scale, d_v=d_v)[1].float() for a, b in ((0, h), (h, T))]
+    errs["dlatent against two halves"] = rel_err(dl, halves[0] + halves[1])
+    assert errs["lse"] < 1e-5 and max(errs.values()) < tol, errs
+
+
+def test_long_rows_check_at_small_sizes():
+    """`_long_rows_check` (the GPU's 8K-128K test) through the interpreter at narrow widths."""
+    _long_rows_check(64, 16, 48, 32, 16, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8192, 32768, 131072])
+def test_cuda_long_rows_match_float64(T):
+    """96 heads, 576 / 512, top-2048, bf16, at 8K, 32K and 128K (`_long_rows_check`): the tolerance is the bf16
+    one of every test here (2e-2 relative; the LSE 1e-5)."""
+    _long_rows_check(T, 96, 576, 512, 2048, "cuda")
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.gpu
 def test_cuda_float32_parity_path():
     """fp32 inputs on the GPU (IEEE dots, the launch `fwd_config` / `bwd_config` give fp32): float64's result to
