@@ -137,6 +137,15 @@ def test_value_chunks_kernel_matches(chunks, lazy, B, T, H, S, D, d_v, k, splits
                              bwd_cfg=Bw(heads=sm.head_tiles(H, 32), block_k=16))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+def test_value_chunks_kernel_any_sign_of_the_scale(scale):
+    """A zero or negative scale (found in review: the empty slots' -inf was scaled after masking, giving NaN)."""
+    q, lat, do, dlse = _inputs(1, 3, 16, 20, 24, 16, torch.float32)
+    cfg = F(heads=(16,), block_k=16, value_chunks=2, lazy_rescale=True)
+    _check_against_reference(q, lat, _selection(1, 3, 20, 20), do, dlse, scale=scale, d_v=16, fwd_cfg=cfg,
+                             bwd_cfg=Bw(heads=(16,), block_k=16))
+
+
 def test_value_chunks_lazy_rescale_is_exercised():
     """The growing scores of the test above do raise a running max by more than 2^8 after the first block (so the
     lazy path rescales mid-row) and the result still matches: checked here on the scores themselves."""

@@ -81,8 +81,9 @@ numerics up to fp32 summation order. The transposed forward is slower than the d
 Precision: fp32 accumulation everywhere. bf16 (fp16) inputs go to the tensor cores as they are; p and ds are
 rounded to the input dtype before their second dot (as every flash kernel does), which is most of the ~1e-3
 difference from the fp32 reference. fp32 inputs run IEEE fp32 dots (parity tests), as do bf16 inputs under the
-interpreter, whose 16-bit dot is wrong (triton 3.9). Offsets are formed in 64 bits (indices widened first).
-Indices outside [0, S) count as empty slots (the reference would raise).
+interpreter, whose 16-bit dot is wrong (triton 3.9). Offsets are formed in 64 bits (indices widened first), but
+`_fwd_chunks_kernel`'s latent row offsets are 32-bit when the latent has fewer than 2^31 elements. Indices outside
+[0, S) count as empty slots (the reference would raise).
 """
 
 from __future__ import annotations
@@ -259,10 +260,10 @@ if triton is not None:
                     s = s + _mm(q1, tl.trans(k1v), tl.zeros([BH, BK], tl.float32), F32)
                 else:
                     s = _mm(q1, tl.trans(k1v), s, F32)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1) * scale2)
+            s = tl.where(valid[None, :], s * scale2, float("-inf"))     # scaled first: any sign of the scale
+            m_new = tl.maximum(m, tl.max(s, 1))
             if LAZY:
-                grow = m_new > m + 8.0
+                grow = m_new - m > 8.0      # exact near m (m + 8 may round up to the next float past 2^26)
                 if tl.max(grow.to(tl.int32), 0) > 0:
                     m_next = tl.where(grow, m_new, m)
                     m_use = tl.where(m_next == float("-inf"), 0.0, m_next)
@@ -286,7 +287,7 @@ if triton is not None:
                     acc2 = acc2 * alpha[:, None]
                     acc3 = acc3 * alpha[:, None]
                 m = m_new
-            p = tl.exp2(s * scale2 - m_use[:, None])
+            p = tl.exp2(s - m_use[:, None])
             l = l + tl.sum(p, 1)
             p = p.to(k0v.dtype)
             acc0 = _mm(p, k0v, acc0, F32)
