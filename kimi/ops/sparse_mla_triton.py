@@ -200,10 +200,11 @@ if triton is not None:
     def _fwd_chunks_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, R, T, S, H, K, D, DV, h_start, NT, NS, KS,
                            scale2, BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
                            DTP: tl.constexpr, IB: tl.constexpr, F32: tl.constexpr, LAZY: tl.constexpr,
-                           FULL: tl.constexpr, OFF64: tl.constexpr, CHAINS: tl.constexpr = 2):
+                           FULL: tl.constexpr, OFF64: tl.constexpr):
         # `_fwd_kernel` with the value columns in NC (1, 2 or 4) chunks of CW: each chunk's gathered tile has a
-        # layout whose threads hold few rows (one offset serves every chunk: [64, 128] tiles hold 8 rows a thread
-        # where one [64, 512] tile holds 32), its own accumulator, and the scores are two independent dot chains.
+        # layout whose threads hold few rows (one offset serves every chunk: [64, 256] tiles hold 16 rows a thread
+        # where one [64, 512] tile holds 32) and its own accumulator. (The scores as two chains of dots summed
+        # compile to the same code: Triton folds a sum of dots into one accumulator chain.)
         # LAZY: the accumulators are rescaled only when some head's running max grew by more than 2^8 (a uniform
         # branch); otherwise p is taken against the old max (p <= 2^8: exact in the dots' dtypes' range).
         # FULL: the widths are exactly BV and DTP (no column masks).
@@ -251,15 +252,11 @@ if triton is not None:
             k3v = k0v
             if NC >= 2:
                 k1v = _cols(kv_row, valid, CW + cw, DV, FULL)
+                s = _mm(q1, tl.trans(k1v), s, F32)
                 if NC >= 4:
                     k2v = _cols(kv_row, valid, 2 * CW + cw, DV, FULL)
                     k3v = _cols(kv_row, valid, 3 * CW + cw, DV, FULL)
-                    s_b = _mm(q3, tl.trans(k3v), _mm(q2, tl.trans(k2v), tl.zeros([BH, BK], tl.float32), F32), F32)
-                    s = _mm(q1, tl.trans(k1v), s, F32) + s_b
-                elif CHAINS == 2:
-                    s = s + _mm(q1, tl.trans(k1v), tl.zeros([BH, BK], tl.float32), F32)
-                else:
-                    s = _mm(q1, tl.trans(k1v), s, F32)
+                    s = _mm(q3, tl.trans(k3v), _mm(q2, tl.trans(k2v), s, F32), F32)
             s = tl.where(valid[None, :], s * scale2, float("-inf"))     # scaled first: any sign of the scale
             m_new = tl.maximum(m, tl.max(s, 1))
             if LAZY:
@@ -1089,7 +1086,7 @@ class FwdConfig:
     warps, mma.sync at any). Same numerics up to the order of the fp32 sums."""
     value_chunks: int = 0
     """Run `_fwd_chunks_kernel` with the value columns in this many chunks (1, 2 or 4; 0: `_fwd_kernel`): each
-    chunk gathered as its own tile with its own accumulator, the scores as two dot chains (split_v must be 1)."""
+    chunk gathered as its own tile with its own accumulator (split_v must be 1)."""
     lazy_rescale: bool = False
     """With value_chunks: rescale the accumulators only when a head's running max grew by more than 2^8."""
     num_warps: int = 8
