@@ -263,26 +263,10 @@ if triton is not None:
                 grow = m_new - m > 8.0      # exact near m (m + 8 may round up to the next float past 2^26)
                 if tl.max(grow.to(tl.int32), 0) > 0:
                     m_next = tl.where(grow, m_new, m)
-                    m_use = tl.where(m_next == float("-inf"), 0.0, m_next)
-                    alpha = tl.exp2(m - m_use)
-                    l = l * alpha
-                    acc0 = acc0 * alpha[:, None]
-                    if NC >= 2:
-                        acc1 = acc1 * alpha[:, None]
-                    if NC >= 4:
-                        acc2 = acc2 * alpha[:, None]
-                        acc3 = acc3 * alpha[:, None]
+                    m_use, l, acc0, acc1, acc2, acc3 = _rescale(m, m_next, l, acc0, acc1, acc2, acc3, NC)
                     m = m_next
             else:
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m - m_use)
-                l = l * alpha
-                acc0 = acc0 * alpha[:, None]
-                if NC >= 2:
-                    acc1 = acc1 * alpha[:, None]
-                if NC >= 4:
-                    acc2 = acc2 * alpha[:, None]
-                    acc3 = acc3 * alpha[:, None]
+                m_use, l, acc0, acc1, acc2, acc3 = _rescale(m, m_new, l, acc0, acc1, acc2, acc3, NC)
                 m = m_new
             p = tl.exp2(s - m_use[:, None])
             l = l + tl.sum(p, 1)
@@ -305,6 +289,20 @@ if triton is not None:
             _store_cols(o_row, hm, 2 * CW + cw, DV, acc2 * inv, FULL)
             _store_cols(o_row, hm, 3 * CW + cw, DV, acc3 * inv, FULL)
         tl.store(lse_ptr + out * H + h, lse, mask=hm)
+
+    @triton.jit
+    def _rescale(m, m_next, l, acc0, acc1, acc2, acc3, NC: tl.constexpr):
+        """The online softmax's move from the running max m to m_next: (the max p is taken against, 0 while no key
+        has come; l and the NC accumulators scaled by 2^{m − m_next})."""
+        m_use = tl.where(m_next == float("-inf"), 0.0, m_next)
+        alpha = tl.exp2(m - m_use)
+        acc0 = acc0 * alpha[:, None]
+        if NC >= 2:
+            acc1 = acc1 * alpha[:, None]
+        if NC >= 4:
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+        return m_use, l * alpha, acc0, acc1, acc2, acc3
 
     @triton.jit
     def _store_cols(row_ptr, rows_ok, c, lim, x, FULL: tl.constexpr):
