@@ -123,13 +123,16 @@ if triton is not None:
         return tl.maximum(tl.max(best, 0), k_lo)
 
     @triton.jit
-    def _gather_rows(b, idx_row, k0, k_end, S, D, BK: tl.constexpr):
-        """The slots [k0, k0 + BK) of batch row b: validity [BK] and the 64-bit offsets of their latent rows in
-        [B, S, D] (row 0 for empty slots)."""
+    def _gather_rows(b, idx_row, k0, k_end, S, D, BK: tl.constexpr, OFF64: tl.constexpr = True):
+        """The slots [k0, k0 + BK) of batch row b: validity [BK] and the offsets of their latent rows in [B, S, D]
+        (row 0 for empty slots), 64-bit, or 32-bit without OFF64 (a latent of fewer than 2^31 elements: fewer
+        registers a row)."""
         slot = k0 + tl.arange(0, BK)
         ix = tl.load(idx_row + slot, mask=slot < k_end, other=-1)
         valid = (ix >= 0) & (ix < S)
-        return valid, (b * S + tl.where(valid, ix, 0).to(tl.int64)) * D
+        if OFF64:
+            return valid, (b * S + tl.where(valid, ix, 0).to(tl.int64)) * D
+        return valid, (b.to(tl.int32) * S + tl.where(valid, ix, 0)) * D
 
     @triton.jit
     def _fwd_program(NT, NV: tl.constexpr, NS):
@@ -236,13 +239,7 @@ if triton is not None:
         acc2 = tl.zeros([BH, CW], tl.float32)
         acc3 = tl.zeros([BH, CW], tl.float32)
         for k0 in range(k_lo, k_end, BK):
-            if OFF64:
-                valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
-            else:   # the latent has fewer than 2^31 elements: 32-bit row offsets (fewer registers a row)
-                slot = k0 + tl.arange(0, BK)
-                ix = tl.load(idx_row + slot, mask=slot < k_end, other=-1)
-                valid = (ix >= 0) & (ix < S)
-                kv_off = ((row // T).to(tl.int32) * S + tl.where(valid, ix, 0)) * D
+            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK, OFF64)
             kv_row = lat_ptr + kv_off
             kt = _cols(kv_row, valid, ct, D, FULL)
             k0v = _cols(kv_row, valid, cw, DV, FULL)
