@@ -622,18 +622,22 @@ if triton is not None:
                     s = s0 + cn
                     sc = _halves_scores(_block_keys(k_row, s, S, D, k_mask, dd, UPCAST), qa, qb, wa, wb, h_mask, BM,
                                         BN, HP, PAD_HEADS, PREC)
-                    cand = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None])
-                    tl.store(wrow + s[None, :], tl.where(cand, _score_key(sc), _FLOOR),
-                             mask=(s[None, :] >= lo_a) & (s[None, :] < hi_a))
+                    _store_keys(wrow, s, sc, lo, hi, lo_a, hi_a)
             else:
                 qt, wc = _query_operand(q_ptr, w_ptr, b, t0, T, H, D, dd, BM, HP, UPCAST)
                 for s0 in range(s_lo // BN * BN, s_hi, BN):
                     s = s0 + cn
                     sc = _head_sum(_block_dot(k_row, s, qt, S, D, k_mask, dd, PREC, UPCAST), wc, c_mask, BM, BN, HP,
                                    PAD_HEADS)
-                    cand = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None])
-                    tl.store(wrow + s[None, :], tl.where(cand, _score_key(sc), _FLOOR),
-                             mask=(s[None, :] >= lo_a) & (s[None, :] < hi_a))
+                    _store_keys(wrow, s, sc, lo, hi, lo_a, hi_a)
+
+    @triton.jit
+    def _store_keys(wrow, s, sc, lo, hi, lo_a, hi_a):
+        """The order keys of scores sc [rows, keys s] into the rows' workspace: the candidates [lo, hi) their keys,
+        the other slots of the aligned blocks [lo_a, hi_a) _FLOOR."""
+        cand = (s[None, :] >= lo[:, None]) & (s[None, :] < hi[:, None])
+        tl.store(wrow + s[None, :], tl.where(cand, _score_key(sc), _FLOOR),
+                 mask=(s[None, :] >= lo_a) & (s[None, :] < hi_a))
 
     @triton.jit
     def _key_at_least(key, r, BITS: tl.constexpr):
