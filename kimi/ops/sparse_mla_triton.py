@@ -130,9 +130,11 @@ if triton is not None:
         slot = k0 + tl.arange(0, BK)
         ix = tl.load(idx_row + slot, mask=slot < k_end, other=-1)
         valid = (ix >= 0) & (ix < S)
-        if OFF64:
-            return valid, (b * S + tl.where(valid, ix, 0).to(tl.int64)) * D
-        return valid, (b.to(tl.int32) * S + tl.where(valid, ix, 0)) * D
+        if OFF64:  # one return statement: Triton 3.6 checks every return's type, taken branch or not
+            off = (b * S + tl.where(valid, ix, 0).to(tl.int64)) * D
+        else:
+            off = (b.to(tl.int32) * S + tl.where(valid, ix, 0)) * D
+        return valid, off
 
     @triton.jit
     def _fwd_program(NT, NV: tl.constexpr, NS):
