@@ -264,14 +264,10 @@ def test_the_op_honours_torch_deterministic_algorithms(monkeypatch):
         pds_skewed=True, pds_block_c=32, gemm_block_k=32, gemm_block_n=16, gemm_rows=2), False),
     (Bw(heads=(32, 32, 32), block_k=32, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3, pds_all_heads=True,
         pds_dlat=True, pds_skewed=True, pds_block_c=16, gemm_block_k=16, gemm_block_n=16), True),
-    (Bw(heads=(32, 32, 32), block_k=16, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3, pds_all_heads=True,
-        pds_dlat=True, pds_one_loop=True, pds_rotate=True, pds_block_c=16, gemm_block_k=16, gemm_block_n=32), False),
-    (Bw(heads=(32, 32, 32), block_k=16, dkv_gemm=True, gemm_dq=True, pds_all_heads=True, pds_dlat=True,
-        pds_rotate=True, pds_block_c=32, gemm_block_k=32, gemm_block_n=16, gemm_rows=2), True),
 ], ids=["32x3,blocks16", "64+32,chunks2,deterministic", "16x6,chunks1", "cols,blocks16", "cols-dq,chunks2",
         "cols-dq,deterministic", "gemm-dq,blocks16", "gemm-dq,chunks2,deterministic", "pds,blocks16,chunks2",
         "pds,deterministic", "pds-dlat,x3", "pds-dlat,one-loop,x2,chunks2,deterministic", "skewed,chunks2",
-        "skewed,x3,deterministic", "rotated,one-loop,x3", "rotated,chunks2,deterministic"])
+        "skewed,x3,deterministic"])
 def test_dkv_gemm_matches(bwd_cfg, deterministic):
     """dlatent from the ds and p the dq kernels store (`dkv_gemm`): value and tail column blocks narrower and wider
     than the widths, stacked-head steps that split [ds | p] inside and across its halves, chunks of one and two
@@ -281,9 +277,8 @@ def test_dkv_gemm_matches(bwd_cfg, deterministic):
     dq (`gemm_dq`: column blocks straddling the value / tail boundary and wider than the latent), with ds and p
     from the kernel for all heads of a query (`pds_all_heads`: column steps narrower and wider than the tail),
     that kernel also adding dlatent (`pds_dlat`; its columns in one loop: `pds_one_loop`; its passes merged across
-    steps: `pds_skewed`; each query's walk over its slots started at a step of its own: `pds_rotate`, three steps
-    of 16 slots, so that the three queries start at three different steps), and column blocks two and three to a
-    program (`gemm_dq_blocks`, the last ones past the latent's width)."""
+    steps: `pds_skewed`), and column blocks two and three to a program (`gemm_dq_blocks`, the last ones past the
+    latent's width)."""
     q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
     _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, bwd_cfg=bwd_cfg,
                              deterministic=deterministic)

@@ -737,7 +737,7 @@ if triton is not None:
     def _bwd_pds_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, pds_ptr, out_ptr, row0, T, S, H, K,
                         D, DV, scale, scale2, BK: tl.constexpr, BC: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
                         IB: tl.constexpr, HAS_DLSE: tl.constexpr, DLAT: tl.constexpr, BN: tl.constexpr,
-                        ONE_LOOP: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr, ROTATE: tl.constexpr = False):
+                        ONE_LOOP: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr):
         # `pds_all_heads`: ds and p of every head of one query, BK slots a step, for `_bwd_dkv_dq_gemm_kernel`. Per
         # step a GEMM main loop over the latent's columns BC at a time, the slots on M:
         #   s^T[slot, h] += kv[slot, c]·q^T[c, h],   dp^T[slot, h] += kv[slot, c]·do^T[c, h]  (c < DV)
@@ -746,9 +746,7 @@ if triton is not None:
         # each selected row is gathered once for all heads. Then p, ds as the dq kernels form them, stored. DLAT
         # (`pds_dlat`): also these slots' dlatent, [ds | p]·[q; do] with [ds | p] the register A operand and q, do
         # streamed BN columns at a time, into out_ptr as `_bwd_dkv_dq_gemm_kernel` does (then p is not stored and
-        # that kernel only forms dq). ROTATE (`pds_rotate`): query r walks its steps from step r mod steps on,
-        # wrapping, so that the programs in flight (consecutive queries, whose selections overlap) do not add into
-        # the same dlatent rows in step.
+        # that kernel only forms dq).
         local = tl.program_id(0).to(tl.int64)
         row = row0 + local
         idx_row = idx_ptr + row * K
@@ -762,12 +760,7 @@ if triton is not None:
             qb = row * H + hb
             delta_b, lse2_b = _delta_heads(o_ptr, do_ptr, dlse_ptr, lse_ptr, qb, mb, DV, BC, HAS_DLSE)
         k_end = _key_end(idx_row, 0, K, S, IB)
-        span = tl.cdiv(k_end, BK) * BK
-        first = (row % tl.maximum(span // BK, 1)).to(tl.int32) * BK if ROTATE else 0
-        for step in range(0, k_end, BK):
-            k0 = step
-            if ROTATE:
-                k0 = (step + first) % span
+        for k0 in range(0, k_end, BK):
             valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
             s_a = tl.zeros([BK, HA], tl.float32)
             dp_a = tl.zeros([BK, HA], tl.float32)
@@ -1168,10 +1161,6 @@ class BwdConfig:
     a step instead of twice (`pds_one_loop`, `gemm_block_n` unused there)."""
     pds_block_c: int = 64
     """Latent columns per step of `_bwd_pds_kernel`'s inner loop."""
-    pds_rotate: bool = False
-    """`_bwd_pds_kernel` with `pds_dlat`: each query starts its walk over the slots at a step of its own (its
-    row index mod its steps), wrapping around, so that the queries in flight at once, whose selections share keys,
-    spread their dlatent atomics over different rows instead of adding into the same ones in step."""
     gemm_rows: int | None = None
     """Queries per chunk of the dkv GEMM path (None: as many as `PDS_CHUNK_ELEMENTS` allow)."""
     dkv_num_warps: int | None = None
@@ -1428,7 +1417,7 @@ def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
                 T, S, H, K, D, d_v, scale, scale * LOG2E, BK=cfg.block_k, BC=min(cfg.pds_block_c, wide), HA=HA,
                 HB=HB, IB=_index_block(K), HAS_DLSE=dlse is not None, DLAT=fuse,
                 BN=min(cfg.gemm_block_n, wide), ONE_LOOP=cfg.pds_one_loop, ATOMIC=not deterministic, F32=f32,
-                ROTATE=cfg.pds_rotate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return
         for h0, bh, nt in _head_launches(cfg.heads):
             (_bwd_dq_kernel_sm if cfg.slot_major else _bwd_dq_kernel)[((r1 - r0) * nt,)](
