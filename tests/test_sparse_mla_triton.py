@@ -105,15 +105,14 @@ def test_matches_float64_reference(dtype, B, T, H, S, D, d_v, k, layout, lse_gra
 
 
 @pytest.mark.parametrize("fwd_cfg, bwd_cfg", [
-    (F(heads=(64, 32), block_k=16, split_v=2), Bw(heads=(64, 32), block_k=16, dkv_block_k=16, dkv_block_h=64)),
+    (F(heads=(64, 32), block_k=16, value_chunks=4), Bw(heads=(64, 32), block_k=16, dkv_block_k=16, dkv_block_h=64)),
     (F(heads=(16,) * 6, block_k=32), Bw(heads=(16,) * 6, block_k=32, dkv_block_k=64, dkv_block_h=16)),
-    (F(heads=(128,), block_k=64, split_v=2), Bw(heads=(128,), block_k=64, dkv_block_k=32, dkv_block_h=128)),
+    (F(heads=(128,), block_k=64, value_chunks=1), Bw(heads=(128,), block_k=64, dkv_block_k=32, dkv_block_h=128)),
     (F(heads=(32, 32, 32), block_k=16), Bw(heads=(32, 32, 32), block_k=16, fused_dkv=True)),
-], ids=["64+32,split_v2", "16x6", "128-padded,split_v2", "32x3,fused-dkv"])
+], ids=["64+32,chunks4", "16x6", "128-padded,chunks1", "32x3,fused-dkv"])
 def test_every_head_tiling_matches(fwd_cfg, bwd_cfg):
     """96 heads under the other tilings (a 64- and a 32-head launch, six 16-head tiles, one tile padded to 128),
-    value columns split over two programs, key blocks smaller and larger than k's remainder, and the backward
-    whose dq kernel adds dlatent itself."""
+    key blocks smaller and larger than k's remainder, and the backward whose dq kernel adds dlatent itself."""
     q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
     _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, fwd_cfg=fwd_cfg,
                              bwd_cfg=bwd_cfg)
@@ -163,18 +162,18 @@ def test_value_chunks_lazy_rescale_is_exercised():
 
 
 @pytest.mark.parametrize("fwd_cfg, bwd_cfg, deterministic", [
-    (F(heads=(32, 32, 32), block_k=16, slot_major=True),
+    (F(heads=(32, 32, 32), block_k=16),
      Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_slot_major=True, dkv_block_k=16, dkv_block_h=32,
         dkv_num_warps=4, dkv_num_stages=1), False),
-    (F(heads=(64, 32), block_k=32, split_v=2, slot_major=True),
+    (F(heads=(64, 32), block_k=32),
      Bw(heads=(64, 32), block_k=32, slot_major=True, fused_dkv=True), False),
-    (F(heads=(16,) * 6, block_k=64, splits=2, slot_major=True),
+    (F(heads=(16,) * 6, block_k=64, splits=2),
      Bw(heads=(16,) * 6, block_k=64, dkv_slot_major=True, dkv_block_k=64, dkv_block_h=16), True),
-], ids=["32x3", "64+32,split_v2,fused-dkv", "16x6,key-splits,deterministic"])
+], ids=["32x3", "64+32,fused-dkv", "16x6,key-splits,deterministic"])
 def test_slot_major_kernels_match(fwd_cfg, bwd_cfg, deterministic):
-    """The transposed kernels (`slot_major`: slots on the dots' M side; the dkv kernel's interleaved q / do tile)
-    under several tilings, with value and key splits, the fused dlatent and the deterministic one, and the dkv
-    kernel's own warps and stages."""
+    """The transposed backward kernels (`slot_major`: slots on the dots' M side; the dkv kernel's interleaved q /
+    do tile) under several tilings, with the fused dlatent and the deterministic one, and the dkv kernel's own
+    warps and stages."""
     q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
     _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, fwd_cfg=fwd_cfg,
                              bwd_cfg=bwd_cfg, deterministic=deterministic, chunk_rows=2 if deterministic else None)
@@ -205,7 +204,7 @@ def test_slot_major_at_release_widths(bwd_cfg):
     the recomputing dkv kernel and with the GEMM over the stored ds, p."""
     q, lat, do, dlse = _inputs(1, 2, 96, 90, 576, 512, torch.bfloat16)
     _check_against_reference(q, lat, _selection(1, 2, 90, 70), do, dlse, scale=192 ** -0.5, d_v=512,
-                             fwd_cfg=F(heads=(32, 32, 32), block_k=64, slot_major=True), bwd_cfg=bwd_cfg)
+                             fwd_cfg=F(heads=(32, 32, 32), block_k=64), bwd_cfg=bwd_cfg)
 
 
 def test_the_op_honours_torch_deterministic_algorithms(monkeypatch):
@@ -300,27 +299,25 @@ def test_gemm_dq_without_lse_gradient(dtype):
 @settings(max_examples=12)
 @given(B=st.integers(1, 2), T=st.integers(1, 5), H=st.integers(1, 40), S=st.integers(1, 30), k=st.integers(1, 40),
        widths=st.sampled_from([(24, 16), (40, 32), (33, 17), (32, 32)]), block_k=st.sampled_from([16, 32, 64]),
-       widest=st.sampled_from([16, 32, 64]), split_v=st.sampled_from([1, 2]), splits=st.integers(1, 4),
+       widest=st.sampled_from([16, 32, 64]), chunks=st.sampled_from([1, 2, 4]), splits=st.integers(1, 4),
        dkv=st.sampled_from([(16, 16, False), (32, 32, False), (64, 16, False), (16, 16, True)]),
        deterministic=st.booleans(), slot_major=st.booleans(), dkv_slot_major=st.booleans(),
        gemm=st.sampled_from([None, (16, 16, 16, None, ""), (32, 64, 32, 2, ""), (64, 16, 64, None, ""),
                              (16, 16, 16, None, "cols"), (32, 64, 16, 2, "cols-dq"), (64, 16, 16, None, "cols-dq"),
                              (16, 32, 16, 2, "dq")]),
        layout=st.sampled_from(["holes", "prefix"]), seed=st.integers(0, 2**31 - 1))
-def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, split_v, splits, dkv, deterministic,
+def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, chunks, splits, dkv, deterministic,
                                     slot_major, dkv_slot_major, gemm, layout, seed):
-    """Drawn shapes (a latent without a tail included) under drawn launches: head tiles, key blocks, value splits,
+    """Drawn shapes (a latent without a tail included) under drawn launches: head tiles, key blocks, value chunks,
     key splits, dkv tiles, the fused dlatent or the GEMM over stored ds, p (its blocks, chunks and column walk),
-    atomic or deterministic, default or transposed (`slot_major`) kernels."""
+    atomic or deterministic, default or transposed (`slot_major`) backward kernels."""
     torch.manual_seed(seed)
     D, d_v = widths
     # with an LSE gradient: without one, rows of a single key have dq = 0 up to rounding (nothing to compare)
     q, lat, do, dlse = _inputs(B, T, H, S, D, d_v, torch.float32)
     heads = sm.head_tiles(H, widest)
-    split_v = split_v if d_v > 16 else 1                    # value blocks are 16 columns at least
     _check_against_reference(q, lat, _selection(B, T, S, k, layout), do, dlse, scale=0.3, d_v=d_v,
-                             fwd_cfg=F(heads=heads, block_k=block_k, split_v=split_v, splits=splits,
-                                       slot_major=slot_major),
+                             fwd_cfg=F(heads=heads, block_k=block_k, value_chunks=chunks, splits=splits),
                              bwd_cfg=Bw(heads=heads, block_k=block_k, dkv_block_k=dkv[0], dkv_block_h=dkv[1],
                                         fused_dkv=dkv[2], slot_major=slot_major, dkv_slot_major=dkv_slot_major,
                                         **({} if gemm is None else dict(dkv_gemm=True, gemm_block_k=gemm[0],
@@ -416,8 +413,10 @@ def test_launch_configs():
     idx = _selection(1, 1, 8, 4)
     with pytest.raises(ValueError, match="must be powers of two >= 16 covering H=20"):
         sm.sparse_mla_fwd_launch(q, lat, idx, scale=0.1, d_v=16, cfg=F(heads=(16,)))
-    with pytest.raises(ValueError, match="split_v=3 must divide"):
-        sm.sparse_mla_fwd_launch(q, lat, idx, scale=0.1, d_v=16, cfg=F(heads=(32,), split_v=3))
+    with pytest.raises(ValueError, match="value_chunks=3 must be 1, 2 or 4"):
+        sm.sparse_mla_fwd_launch(q, lat, idx, scale=0.1, d_v=16, cfg=F(heads=(32,), value_chunks=3))
+    with pytest.raises(ValueError, match="block_k=24 must be a power of two"):
+        sm.sparse_mla_fwd_launch(q, lat, idx, scale=0.1, d_v=16, cfg=F(heads=(32,), block_k=24))
 
 
 def test_rejects_what_it_cannot_run():
@@ -523,15 +522,14 @@ def test_cuda_float32_parity_path():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fwd_cfg, bwd_cfg", [
-    (F(heads=(64, 32), block_k=32, split_v=2), Bw(heads=(64, 32))),
-    (F(heads=(64, 32), block_k=32), Bw(heads=(16,) * 6, dkv_block_k=16, num_warps=4)),
-    (F(heads=(32, 32, 32), block_k=32, num_warps=4, num_stages=3), Bw(heads=(32, 32, 32), num_stages=1)),
-    (F(heads=(32, 32, 32)), Bw(heads=(32, 32, 32), block_k=16, fused_dkv=True)),
-], ids=["64+32,split_v2", "64+32,16x6", "32x3,bk32", "fused-dkv"])
+    (F(heads=(64, 32), block_k=32, value_chunks=4, num_warps=8), Bw(heads=(64, 32))),
+    (F(heads=(64, 32), block_k=32, num_warps=8), Bw(heads=(16,) * 6, dkv_block_k=16, num_warps=4)),
+    (F(heads=(32, 32, 32), block_k=32, num_stages=3), Bw(heads=(32, 32, 32), num_stages=1)),
+    (F(heads=(32, 32, 32), value_chunks=1), Bw(heads=(32, 32, 32), block_k=16, fused_dkv=True)),
+], ids=["64+32,chunks4", "64+32,16x6", "32x3,bk32", "chunks1,fused-dkv"])
 def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
-    """The launches worth timing against the default ones fit the H200 (a 64-head tile with 64 slots a step and
-    split values, or 64 heads in the dkv kernel's steps, need more than its 227 KB of shared memory) and give the
-    float64 result."""
+    """The launches worth timing against the default ones fit the H200 (64 heads in the dkv kernel's steps need
+    more than its 227 KB of shared memory) and give the float64 result."""
     H, D, d_v, S, k = 96, 576, 512, 4096, 2048
     q, lat, do, dlse = _inputs(1, 256, H, S, D, d_v, torch.bfloat16)
     _check_against_reference(q, lat, _causal_selection(1, 256, S, k, "cuda"), do, dlse, scale=192 ** -0.5,
@@ -540,31 +538,31 @@ def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fwd_cfg, bwd_cfg", [
-    (F(heads=(32, 32, 32), block_k=64, slot_major=True),
+    (F(heads=(32, 32, 32), block_k=64),
      Bw(heads=(32, 32, 32), block_k=32, num_warps=8, dkv_slot_major=True, dkv_block_k=64, dkv_block_h=16)),
-    (F(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4),
+    (F(heads=(32, 32, 32), block_k=64, value_chunks=4),
      Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_slot_major=True, dkv_block_k=64,
         dkv_block_h=32, dkv_num_warps=8)),
-    (F(heads=(64, 32), block_k=64, slot_major=True),
+    (F(heads=(64, 32), block_k=32, num_warps=8),
      Bw(heads=(32, 32, 32), block_k=32, num_warps=4, dkv_slot_major=True, dkv_block_k=32, dkv_block_h=32,
         dkv_num_warps=8)),
-    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+    (F(heads=(32, 32, 32), block_k=64),
      Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_block_k=128,
         dkv_num_warps=8, gemm_rows=100)),
-    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+    (F(heads=(32, 32, 32), block_k=64),
      Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_cols=True,
         gemm_cols_dq=True, gemm_block_k=128, gemm_block_n=64, gemm_rows=100)),
-    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+    (F(heads=(32, 32, 32), block_k=64),
      Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_dq=True, gemm_block_k=64,
         gemm_block_n=64, gemm_rows=100)),
-    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+    (F(heads=(32, 32, 32), block_k=64),
      Bw(heads=(32, 32, 32), block_k=64, num_warps=8, num_stages=3, dkv_gemm=True, gemm_dq=True, pds_all_heads=True,
         gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4, dkv_num_stages=2, gemm_rows=100)),
-    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+    (F(heads=(32, 32, 32), block_k=64),
      Bw(heads=(32, 32, 32), block_k=128, num_warps=8, num_stages=2, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3,
         pds_all_heads=True, pds_dlat=True, pds_one_loop=True, gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4,
         dkv_num_stages=2, gemm_rows=100)),
-    (F(heads=(32, 32, 32), block_k=64, num_warps=4),
+    (F(heads=(32, 32, 32), block_k=64),
      Bw(heads=(32, 32, 32), block_k=128, num_warps=8, num_stages=4, dkv_gemm=True, gemm_dq=True, pds_all_heads=True,
         pds_dlat=True, pds_skewed=True, pds_block_c=32, gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4,
         dkv_num_stages=2, gemm_rows=100)),

@@ -9,29 +9,29 @@ columns split into the values [0, d_v) and the tail [d_v, D) (the rope part: 512
 enter the scores, only the values the output. Widths are kernel parameters, padded to powers of two (16 at least)
 and masked, so the tests run narrow latents through the interpreter.
 
-**Forward** (`_fwd_kernel`). One program per (query, head tile[, value block][, key split]). It loads its head
-tile's query once and walks the query's index row 64 (`block_k`) slots at a time: the slots' latent rows
-are gathered by pointer arithmetic (Hopper has no TMA gather; the loads pipeline as cp.async), scores are two
-dots (values and tail), and an online softmax in base 2 (σ·log2 e folded into one factor) rescales a
-[heads, d_v] fp32 accumulator. Slots past the row's last valid index are never visited (one pass over the index
-row first), so the short causal rows of a prefill cost what they hold. The output is divided once at the end.
-A row without a valid index gives o = 0 and lse = −inf, as the reference's `logsumexp` does.
+**Forward** (`_fwd_chunks_kernel`). One program per (query, head tile[, key split]). It loads its head tile's
+query once and walks the query's index row 64 (`block_k`) slots at a time: the slots' latent rows are gathered by
+pointer arithmetic (Hopper has no TMA gather; the loads pipeline as cp.async), the scores are a chain of dots over
+the value chunks and the tail, and an online softmax in base 2 (σ·log2 e folded into one factor) accumulates
+p·values in fp32. Slots past the row's last valid index are never visited (one pass over the index row first),
+so the short causal rows of a prefill cost what they hold. The output is divided once at the end. A row without a
+valid index gives o = 0 and lse = −inf, as the reference's `logsumexp` does.
 
-`_fwd_chunks_kernel` (`value_chunks`, the default) is the same program with the value columns gathered as 1, 2 or
-4 separate tiles, each with its own accumulator. Triton lays a [64, 512] gathered tile out one 16-byte vector a
-row per thread, so every thread forms 32 row addresses a step; [64, 256] tiles take 16, and the chunks share
-them. Row offsets are 32-bit when the latent has fewer than 2^31 elements. With `lazy_rescale` the accumulators
-are rescaled only when some head's running max grew by more than 2^8 since the last rescale (one uniform branch
-a step); otherwise p is formed against the older max (p ≤ 2^8, well inside bf16's range) and the final division
-by l cancels the difference.
+The value columns are gathered as `value_chunks` (1, 2 or 4) separate tiles, each with its own [heads, d_v /
+chunks] accumulator: Triton lays a [64, 512] gathered tile out one 16-byte vector a row per thread, so every thread
+forms 32 row addresses a step, where [64, 256] tiles take 16 and the chunks share them. Row offsets are 32-bit
+when the latent has fewer than 2^31 elements. With `lazy_rescale` the accumulators are rescaled only when some
+head's running max grew by more than 2^8 since the last rescale (one uniform branch a step); otherwise p is formed
+against the older max (p ≤ 2^8, well inside bf16's range) and the final division by l cancels the difference.
 
 Heads: Triton block dims are powers of two, so 96 heads run as tiles that cover them exactly: three 32-head tiles
 in one launch (the default), or a 64-head and a 32-head launch. Every head tile gathers the query's rows again
 (mostly from L2: the tiles of one query are neighbours in the grid), so per query the gathered traffic is
 (tiles × k × D × 2 B): 3 × 2.4 MB at k = 2048 in bf16 for 32-head tiles, 2 × for 64 + 32, against
-2·H·k·(D + d_v) = 0.43 GFLOP. Wider tiles read less but hold a [heads, 512] fp32 accumulator (64 × 512 is 128
-registers a thread at 8 warps); `split_v` > 1 gives each program 512 / split_v value columns instead, each
-recomputing the full 576-wide scores (split_v = 2: 1.5× the FLOPs, half the accumulator).
+2·H·k·(D + d_v) = 0.43 GFLOP. Wider tiles read less but hold a wider fp32 accumulator beside a wider q (a 32-head
+tile at 4 warps already fills 255 registers). Two earlier forwards, one [64, 512] value tile a step and the dots
+transposed with the slots on wgmma's M side, were slower on Hopper and are gone (docs/performance.md, sparse
+rounds 2-9).
 
 **Decode** (`splits` > 1). With few queries (T = 1..4, batch 1..32) the programs above do not fill the GPU, so
 the index row is split into `splits` key ranges; each writes a normalized partial output and its LSE in fp32, and
@@ -70,19 +70,18 @@ read back to the host, so the launch can be captured in a CUDA graph.
   `_dkv_reduce_kernel` (one program per latent row) sums its run in that fixed order and adds it to the row;
   chunks run in order. Bitwise reproducible, at twice the dkv memory traffic plus a sort per chunk.
 
-**Transposed kernels** (`slot_major`: the dq kernel's default in 16-bit; `dkv_slot_major`; opt-in for the
-forward). A head tile of 32 rows is below wgmma's M of 64 a warpgroup, so the kernels above run mma.sync at 32
-heads; `_fwd_kernel_sm`, `_bwd_dq_kernel_sm` and `_bwd_dkv_kernel_sm` put the slots on M instead (s^T = kv·q^T),
-with q^T, p^T, ds^T as shared-memory operands. The dkv one stages q and do as one interleaved tile so that its
-accumulator is updated by a single dot (two chained dots get different layouts at 8 warps). Same contract and
-numerics up to fp32 summation order. The transposed forward is slower than the default on the H200
-(docs/performance.md).
+**Transposed kernels** (`slot_major`: the dq kernel's default in 16-bit beyond 128 heads; `dkv_slot_major`). A
+head tile of 32 rows is below wgmma's M of 64 a warpgroup, so the kernels above run mma.sync at 32 heads;
+`_bwd_dq_kernel_sm` and `_bwd_dkv_kernel_sm` put the slots on M instead (s^T = kv·q^T), with q^T, ds^T as
+shared-memory operands. The dkv one stages q and do as one interleaved tile so that its accumulator is updated by a
+single dot (two chained dots get different layouts at 8 warps). Same contract and numerics up to fp32 summation
+order.
 
 Precision: fp32 accumulation everywhere. bf16 (fp16) inputs go to the tensor cores as they are; p and ds are
 rounded to the input dtype before their second dot (as every flash kernel does), which is most of the ~1e-3
 difference from the fp32 reference. fp32 inputs run IEEE fp32 dots (parity tests), as do bf16 inputs under the
 interpreter, whose 16-bit dot is wrong (triton 3.9). Offsets are formed in 64 bits (indices widened first), but
-`_fwd_chunks_kernel`'s latent row offsets are 32-bit when the latent has fewer than 2^31 elements. Indices outside
+the forward's latent row offsets are 32-bit when the latent has fewer than 2^31 elements. Indices outside
 [0, S) count as empty slots (the reference would raise).
 """
 
@@ -137,62 +136,12 @@ if triton is not None:
         return valid, off
 
     @triton.jit
-    def _fwd_program(NT, NV: tl.constexpr, NS):
-        """This forward program's (head tile, value block, key split, row = b·T + t), head tile fastest: the tiles
-        of one query run side by side and share its gathered rows through L2."""
+    def _fwd_program(NT, NS):
+        """This forward program's (head tile, key split, row = b·T + t), head tile fastest: the tiles of one query
+        run side by side and share its gathered rows through L2."""
         pid = tl.program_id(0).to(tl.int64)
         rest = pid // NT
-        return pid % NT, rest % NV, (rest // NV) % NS, rest // NV // NS
-
-    @triton.jit
-    def _fwd_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, R, T, S, H, K, D, DV, h_start, NT, NS, KS, scale2,
-                    BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, DTP: tl.constexpr,
-                    IB: tl.constexpr, F32: tl.constexpr):
-        tile, vb, split, row = _fwd_program(NT, NV, NS)
-        h = h_start + tile * BH + tl.arange(0, BH)
-        hm = h < H
-        q_row = q_ptr + (row * H + h) * D
-        idx_row = idx_ptr + row * K
-        cv = vb * BV + tl.arange(0, BV)                 # this program's value columns
-        ct = DV + tl.arange(0, DTP)                     # the tail (rope) columns
-        q_t = tl.load(q_row[:, None] + ct[None, :], mask=hm[:, None] & (ct[None, :] < D), other=0.0)
-        q_v = tl.load(q_row[:, None] + cv[None, :], mask=hm[:, None] & (cv[None, :] < DV), other=0.0)
-        k_lo = (split * KS).to(tl.int32)
-        k_end = _key_end(idx_row, k_lo, tl.minimum(k_lo + KS, K), S, IB)
-        m = tl.full([BH], float("-inf"), tl.float32)
-        l = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BH, BV], tl.float32)
-        for k0 in range(k_lo, k_end, BK):
-            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
-            kv_row = lat_ptr + kv_off
-            kv_t = tl.load(kv_row[:, None] + ct[None, :], mask=valid[:, None] & (ct[None, :] < D), other=0.0)
-            kv_v = tl.load(kv_row[:, None] + cv[None, :], mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
-            s = _mm(q_t, tl.trans(kv_t), tl.zeros([BH, BK], tl.float32), F32)
-            if NV == 1:
-                s = _mm(q_v, tl.trans(kv_v), s, F32)
-            else:   # the other programs' value columns enter the scores too (re-read, mostly from L1)
-                for j in tl.static_range(NV):
-                    cj = j * BV + tl.arange(0, BV)
-                    qj = tl.load(q_row[:, None] + cj[None, :], mask=hm[:, None] & (cj[None, :] < DV), other=0.0)
-                    kj = tl.load(kv_row[:, None] + cj[None, :], mask=valid[:, None] & (cj[None, :] < DV),
-                                 other=0.0)
-                    s = _mm(qj, tl.trans(kj), s, F32)
-            s = tl.where(valid[None, :], s * scale2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # no key yet: keep every term finite
-            alpha = tl.exp2(m - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = _mm(p.to(kv_v.dtype), kv_v, acc * alpha[:, None], F32)
-            m = m_new
-        ok = l > 0
-        l = tl.where(ok, l, 1.0)
-        o = acc * tl.where(ok, 1.0 / l, 0.0)[:, None]
-        lse = tl.where(ok, (m + tl.log2(l)) * 0.6931471805599453, float("-inf"))
-        out = split * R + row                           # = row without key splits
-        o_ptrs = o_ptr + ((out * H + h) * DV)[:, None] + cv[None, :]
-        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None] & (cv[None, :] < DV))
-        tl.store(lse_ptr + out * H + h, lse, mask=h + vb * H < H)           # value block 0 writes it
+        return pid % NT, rest % NS, rest // NS
 
     @triton.jit
     def _cols(row_ptr, rows_ok, c, lim, FULL: tl.constexpr):
@@ -206,15 +155,16 @@ if triton is not None:
                            scale2, BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
                            DTP: tl.constexpr, IB: tl.constexpr, F32: tl.constexpr, LAZY: tl.constexpr,
                            FULL: tl.constexpr, OFF64: tl.constexpr):
-        # `_fwd_kernel` with the value columns in NC (1, 2 or 4) chunks of CW: each chunk's gathered tile has a
-        # layout whose threads hold few rows (one offset serves every chunk: [64, 256] tiles hold 16 rows a thread
-        # where one [64, 512] tile holds 32) and its own accumulator. (The scores as two chains of dots summed
+        # program (query, head tile[, key split]) of the module docstring's forward, the value columns in NC (1, 2
+        # or 4) chunks of CW: each chunk's gathered tile has a layout whose threads hold few rows (one offset serves
+        # every chunk: [64, 256] tiles hold 16 rows a thread where one [64, 512] tile holds 32) and its own
+        # accumulator. (The scores as two chains of dots summed
         # compile to the same code: Triton folds a sum of dots into one accumulator chain.)
         # LAZY: the accumulators are rescaled only when some head's running max grew by more than 2^8 (a uniform
         # branch); otherwise p is taken against the old max (p <= 2^8: exact in the dots' dtypes' range).
         # FULL: the widths are exactly BV and DTP (no column masks).
         CW: tl.constexpr = BV // NC
-        tile, _vb, split, row = _fwd_program(NT, 1, NS)
+        tile, split, row = _fwd_program(NT, NS)
         h = h_start + tile * BH + tl.arange(0, BH)
         hm = h < H
         q_row = q_ptr + (row * H + h) * D
@@ -450,62 +400,6 @@ if triton is not None:
             tl.store(out_ptr + (e * D)[:, None] + ct[None, :], acc_t, mask=m_t)
 
     @triton.jit
-    def _fwd_kernel_sm(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, R, T, S, H, K, D, DV, h_start, NT, NS, KS, scale2,
-                       BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, DTP: tl.constexpr,
-                       IB: tl.constexpr, F32: tl.constexpr):
-        # `_fwd_kernel` transposed (`slot_major`): s^T = kv·q^T [BK, BH] and o^T += v^T·p^T [BV, BH], the slots on
-        # the dots' M side, q^T and p^T their shared-memory B operands (wgmma: M = BK >= 64 rows a warpgroup, so a
-        # 32-head tile runs on wgmma, and q is not held in registers); softmax statistics per column
-        tile, vb, split, row = _fwd_program(NT, NV, NS)
-        h = h_start + tile * BH + tl.arange(0, BH)
-        hm = h < H
-        q_row = q_ptr + (row * H + h) * D
-        idx_row = idx_ptr + row * K
-        cv = vb * BV + tl.arange(0, BV)
-        ct = DV + tl.arange(0, DTP)
-        qT_t = tl.load(q_row[None, :] + ct[:, None], mask=hm[None, :] & (ct[:, None] < D), other=0.0)
-        qT_v = tl.load(q_row[None, :] + cv[:, None], mask=hm[None, :] & (cv[:, None] < DV), other=0.0)
-        k_lo = (split * KS).to(tl.int32)
-        k_end = _key_end(idx_row, k_lo, tl.minimum(k_lo + KS, K), S, IB)
-        m = tl.full([BH], float("-inf"), tl.float32)
-        l = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BV, BH], tl.float32)
-        for k0 in range(k_lo, k_end, BK):
-            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
-            kv_row = lat_ptr + kv_off
-            kv_t = tl.load(kv_row[:, None] + ct[None, :], mask=valid[:, None] & (ct[None, :] < D), other=0.0)
-            kv_v = tl.load(kv_row[:, None] + cv[None, :], mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
-            s = _mm(kv_t, qT_t, tl.zeros([BK, BH], tl.float32), F32)
-            if NV == 1:
-                s = _mm(kv_v, qT_v, s, F32)
-            else:
-                for j in tl.static_range(NV):
-                    cj = j * BV + tl.arange(0, BV)
-                    qj = tl.load(q_row[None, :] + cj[:, None], mask=hm[None, :] & (cj[:, None] < DV), other=0.0)
-                    kj = tl.load(kv_row[:, None] + cj[None, :], mask=valid[:, None] & (cj[None, :] < DV),
-                                 other=0.0)
-                    s = _mm(kj, qj, s, F32)
-            s = tl.where(valid[:, None], s * scale2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 0))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_use)
-            p = tl.exp2(s - m_use[None, :])
-            l = l * alpha + tl.sum(p, 0)
-            acc = _mm(tl.trans(kv_v), p.to(kv_v.dtype), acc * alpha[None, :], F32)
-            m = m_new
-        ok = l > 0
-        l = tl.where(ok, l, 1.0)
-        o = acc * tl.where(ok, 1.0 / l, 0.0)[None, :]
-        lse = tl.where(ok, (m + tl.log2(l)) * 0.6931471805599453, float("-inf"))
-        out = split * R + row
-        # the store's [BV, BH] mask and addresses are formed here in their own terms: written as the loads' (above),
-        # CSE would merge them and hold them in registers across the loop
-        hs = hm & (h >= 0)
-        o_ptrs = (o_ptr + (out * H + h) * DV)[None, :] + cv[:, None]
-        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hs[None, :] & (cv[:, None] < DV))
-        tl.store(lse_ptr + out * H + h, lse, mask=h + vb * H < H)
-
-    @triton.jit
     def _bwd_dq_kernel_sm(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr,
                           pds_ptr, row0, T, S, H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr,
                           BK: tl.constexpr, DVP: tl.constexpr, DTP: tl.constexpr, IB: tl.constexpr,
@@ -560,7 +454,9 @@ if triton is not None:
                 tl.atomic_add(dst + cv[None, :], dkv_v, mask=valid[:, None] & (cv[None, :] < DV), sem="relaxed")
                 tl.atomic_add(dst + ct[None, :], dkv_t, mask=valid[:, None] & (ct[None, :] < D), sem="relaxed")
         if DQ:
-            hs = hm & (h >= 0)          # formed here, not merged with the loads' masks (see `_fwd_kernel_sm`)
+            # the store's mask and addresses formed here in their own terms: written as the loads' are, CSE would
+            # merge them and hold them in registers across the loop
+            hs = hm & (h >= 0)
             dst = dq_ptr + qh * D
             tl.store(dst[None, :] + cv[:, None], dqT_v.to(dq_ptr.dtype.element_ty),
                      mask=hs[None, :] & (cv[:, None] < DV))
@@ -613,7 +509,7 @@ if triton is not None:
             ds = (p * (dp - delta[None, :]) * scale).to(kv_v.dtype)
             acc_v = _mm(tl.reshape(tl.join(ds, p.to(kv_v.dtype)), [BK, 2 * BH]), qd, acc_v, F32)
             acc_t = _mm(ds, q_t, acc_t, F32)
-        ok = valid & (slot >= 0)        # masks formed here in their own terms (see `_fwd_kernel_sm`)
+        ok = valid & (slot >= 0)        # masks formed here in their own terms (see `_bwd_dq_kernel_sm`'s dq store)
         m_v = ok[:, None] & (cv[None, :] < DV)
         m_t = ok[:, None] & (ct[None, :] < D)
         if ATOMIC:
@@ -654,7 +550,7 @@ if triton is not None:
             src = tl.where(j < H, q_ptr + (row * H + j) * D, do_ptr + (row * H + j - H) * DV)
             b = tl.load(src[:, None] + c[None, :], mask=jm[:, None] & cm[None, :], other=0.0)
             acc = _mm(a, b, acc, F32)
-        ok = valid & (slot >= 0)        # formed here in their own terms (see `_fwd_kernel_sm`)
+        ok = valid & (slot >= 0)        # formed here in their own terms (see `_bwd_dq_kernel_sm`'s dq store)
         om = ok[:, None] & (c[None, :] < c_hi)
         if ATOMIC:
             tl.atomic_add(out_ptr + (key * D)[:, None] + c[None, :], acc, mask=om, sem="relaxed")
@@ -960,7 +856,7 @@ if triton is not None:
             acc = _mm(p_a, do_a, _mm(ds_a, q_a, tl.zeros([slot.shape[0], c.shape[0]], tl.float32), F32), F32)
             if HB > 0:
                 acc = _mm(p_b, do_b, _mm(ds_b, q_b, acc, F32), F32)
-            ok = valid & (slot >= 0)        # formed here in their own terms (see `_fwd_kernel_sm`)
+            ok = valid & (slot >= 0)        # formed here in their own terms (see `_bwd_dq_kernel_sm`'s dq store)
             _dkv_out(out_ptr, kv_off, local, K, D, slot, ok, c, c < D, acc, ATOMIC)
         return dqT_a, dqT_b
 
@@ -1069,24 +965,13 @@ class FwdConfig:
     """Head tiles in order (powers of two >= 16) covering H; runs of equal tiles share one launch."""
     block_k: int = 64
     """Index slots (gathered latent rows) per step."""
-    split_v: int = 1
-    """Programs per (query, head tile), each owning d_v / split_v value columns and recomputing the scores (a
-    64-head tile split so takes 32 slots a step, or one stage: 64 slots in two stages exceed an H200's shared
-    memory)."""
     splits: int = 1
     """Key ranges of each index row (decode), merged by `_merge_kernel`."""
-    slot_major: bool = False
-    """Run `_fwd_kernel_sm`: the dots transposed, s^T = kv·q^T [block_k, heads] and o^T += v^T·p^T [d_v, heads],
-    so that the slots are the MMA's M side and q^T, p^T its shared-memory B operands. A 32-head tile then runs on
-    wgmma (M = block_k >= 64 a warpgroup; mma.sync otherwise) and q is not held in registers: at 32 heads, 64
-    slots and 8 warps it compiles for sm_90 without spills (the default kernel: 255 registers and spills at 4
-    warps, mma.sync at any). Same numerics up to the order of the fp32 sums."""
-    value_chunks: int = 0
-    """Run `_fwd_chunks_kernel` with the value columns in this many chunks (1, 2 or 4; 0: `_fwd_kernel`): each
-    chunk gathered as its own tile with its own accumulator (split_v must be 1)."""
-    lazy_rescale: bool = False
-    """With value_chunks: rescale the accumulators only when a head's running max grew by more than 2^8."""
-    num_warps: int = 8
+    value_chunks: int = 2
+    """The value columns as this many gathered tiles (1, 2 or 4), each with its own accumulator."""
+    lazy_rescale: bool = True
+    """Rescale the accumulators only when a head's running max grew by more than 2^8."""
+    num_warps: int = 4
     num_stages: int = 2
 
 
@@ -1107,7 +992,7 @@ class BwdConfig:
     slot_major: bool = False
     """Run `_bwd_dq_kernel_sm`: s^T, dp^T, ds^T [block_k, heads] with the slots on the MMA's M side and
     dq^T += kv^T·ds^T, q^T, do^T and ds^T as shared-memory B operands (wgmma for a 32-head tile once block_k
-    >= 64; see `FwdConfig.slot_major`)."""
+    >= 64: wgmma's M is 64 rows a warpgroup, more than a 32-head tile has)."""
     dkv_slot_major: bool = False
     """Run `_bwd_dkv_kernel_sm`: the dkv kernel with the slots on M and q, do interleaved in one tile, so that
     scores and dp are one dot and dsᵀ q_v + pᵀ do another (K = 2·dkv_block_h). dkv_block_k = 64 then runs on
@@ -1186,18 +1071,17 @@ def head_tiles(H: int, widest: int) -> tuple[int, ...]:
 
 def fwd_config(B: int, T: int, H: int, k: int, D: int, d_v: int, device: torch.device,
                dtype: torch.dtype = torch.bfloat16) -> FwdConfig:
-    """The forward's launch for a shape. 16-bit: 32-head tiles (96 heads: three, no padding), 4 warps (the H200
+    """The forward's launch for a shape. 16-bit: 32-head tiles (96 heads: three, no padding), 4 warps (the
     sweeps of tests/bench/sparse_tune.py: faster than 8 and than 64 + 32 head tiles), 64 slots a step in two stages
-    (two [64, 576] bf16 tiles of gathered rows fit beside q), `_fwd_chunks_kernel` with the value columns in two
-    chunks and the lazy rescale (faster than one or four chunks and than `_fwd_kernel`). fp32 (the parity path; its
-    IEEE dots run on FMA units with fp32 operands staged in shared memory): 16-head tiles, 32 slots, one stage.
+    (two [64, 576] bf16 tiles of gathered rows fit beside q), the value columns in two chunks with the lazy rescale
+    (faster than one or four chunks, docs/performance.md). fp32 (the parity path; its IEEE dots run on FMA units
+    with fp32 operands staged in shared memory): 16-head tiles, 32 slots, one stage.
     Key splits when the (query, head tile) programs would not fill the GPU twice over, each split at least two
     steps long."""
     if dtype == torch.float32:
-        cfg = FwdConfig(heads=head_tiles(H, 16), block_k=32, num_stages=1, value_chunks=2, lazy_rescale=True)
+        cfg = FwdConfig(heads=head_tiles(H, 16), block_k=32, num_warps=8, num_stages=1)
     else:
-        cfg = FwdConfig(heads=head_tiles(H, 32), block_k=32 if k <= 32 else 64, num_warps=4, value_chunks=2,
-                        lazy_rescale=True)
+        cfg = FwdConfig(heads=head_tiles(H, 32), block_k=32 if k <= 32 else 64)
     programs = B * T * len(cfg.heads)
     target = 2 * sm_count(device)
     if 0 < programs < target and k > 2 * cfg.block_k:
@@ -1311,12 +1195,10 @@ def sparse_mla_fwd_launch(q: Tensor, latent: Tensor, indices: Tensor, *, scale: 
     DVP, DTP = _widths(D, d_v)
     if sum(cfg.heads) < H or any(t < 16 or t & (t - 1) for t in cfg.heads):
         raise ValueError(f"sparse_mla: head tiles {cfg.heads} must be powers of two >= 16 covering H={H}")
-    if cfg.value_chunks not in (0, 1, 2, 4) or cfg.value_chunks and (cfg.split_v != 1 or cfg.slot_major):
-        raise ValueError(f"sparse_mla: value_chunks={cfg.value_chunks} must be 0, 1, 2 or 4, with split_v=1 and not "
-                         f"slot_major")
-    if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1) or DVP % cfg.split_v or DVP // cfg.split_v < 16:
-        raise ValueError(f"sparse_mla: block_k={cfg.block_k} must be a power of two >= 16 and split_v="
-                         f"{cfg.split_v} must divide the padded value width {DVP} into blocks of >= 16")
+    if cfg.value_chunks not in (1, 2, 4):
+        raise ValueError(f"sparse_mla: value_chunks={cfg.value_chunks} must be 1, 2 or 4")
+    if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(f"sparse_mla: block_k={cfg.block_k} must be a power of two >= 16")
     q, latent, indices = q.contiguous(), latent.contiguous(), indices.contiguous()
     o = q.new_empty(B, T, H, d_v)
     lse = q.new_empty(B, T, H, dtype=torch.float32)
@@ -1330,20 +1212,13 @@ def sparse_mla_fwd_launch(q: Tensor, latent: Tensor, indices: Tensor, *, scale: 
         lse_out = torch.empty(NS, R, H, dtype=torch.float32, device=q.device)
     else:
         o_out, lse_out = o, lse
+    BV = max(DVP, 16 * cfg.value_chunks)            # chunks of 16 columns at least
     for h0, bh, nt in _head_launches(cfg.heads):
-        if cfg.value_chunks:
-            BV = max(DVP, 16 * cfg.value_chunks)            # chunks of 16 columns at least
-            _fwd_chunks_kernel[(R * NS * nt,)](
-                q, latent, indices, o_out, lse_out, R, T, S, H, K, D, d_v, h0, nt, NS, KS, scale * LOG2E,
-                BH=bh, BK=cfg.block_k, BV=BV, NC=cfg.value_chunks, DTP=DTP, IB=_index_block(K),
-                F32=_f32_dots(q.dtype), LAZY=cfg.lazy_rescale, FULL=BV == d_v and DTP == D - d_v,
-                OFF64=latent.numel() >= 2**31,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            continue
-        (_fwd_kernel_sm if cfg.slot_major else _fwd_kernel)[(R * NS * cfg.split_v * nt,)](
+        _fwd_chunks_kernel[(R * NS * nt,)](
             q, latent, indices, o_out, lse_out, R, T, S, H, K, D, d_v, h0, nt, NS, KS, scale * LOG2E,
-            BH=bh, BK=cfg.block_k, BV=DVP // cfg.split_v, NV=cfg.split_v, DTP=DTP, IB=_index_block(K),
-            F32=_f32_dots(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BH=bh, BK=cfg.block_k, BV=BV, NC=cfg.value_chunks, DTP=DTP, IB=_index_block(K), F32=_f32_dots(q.dtype),
+            LAZY=cfg.lazy_rescale, FULL=BV == d_v and DTP == D - d_v, OFF64=latent.numel() >= 2**31,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if NS > 1:
         BC = min(DVP, 128)
         _merge_kernel[(R * H,)](o_out, lse_out, o, lse, R * H, NS, d_v, NSP=triton.next_power_of_2(NS), BC=BC,

@@ -114,10 +114,11 @@ def sparse_fwd():
     cfg = sm.fwd_config(1, T, H, K, D, DV, torch.device("cpu"))
     ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, o_ptr=BF, lse_ptr=F32)
     scalars = dict(R=T, T=T, S=T, H=H, K=K, D=D, DV=DV, h_start=0, NT=len(cfg.heads), NS=1, KS=K, scale2=0.1)
-    consts = dict(BH=cfg.heads[0], BK=cfg.block_k, BV=DV // cfg.split_v, NV=cfg.split_v, DTP=64, IB=256, F32=False)
-    kernel = sm._fwd_kernel_sm if cfg.slot_major else sm._fwd_kernel
-    yield f"sparse forward {cfg}", report(kernel, ptrs, scalars, consts, num_warps=cfg.num_warps,
-                                          num_stages=cfg.num_stages)
+    for lazy, off64 in ((cfg.lazy_rescale, False), (cfg.lazy_rescale, True), (not cfg.lazy_rescale, False)):
+        consts = dict(BH=cfg.heads[0], BK=cfg.block_k, BV=DV, NC=cfg.value_chunks, DTP=64, IB=256, F32=False,
+                      LAZY=lazy, FULL=True, OFF64=off64)
+        yield f"sparse forward {cfg}, lazy_rescale={lazy}, 64-bit offsets {off64}", report(
+            sm._fwd_chunks_kernel, ptrs, scalars, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _bwd():

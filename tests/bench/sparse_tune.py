@@ -128,7 +128,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--parts", nargs="*", default=["fwd", "bwd", "indexer"])
-    ap.add_argument("--fwd-all", action="store_true", help="the forward's earlier rows too (before the chunks)")
     ap.add_argument("--profile", action="store_true",
                     help="first the backward's time per kernel (torch.profiler) for its first three rows")
     ap.add_argument("--bwd-rows", default=":", help="a slice of the backward's rows, e.g. 0:10 (default: all)")
@@ -143,16 +142,11 @@ def main():
     t32, t64 = (32, 32, 32), (64, 32)
     if "fwd" in a.parts:
         ref = sm.sparse_mla_fwd_triton(q, lat, idx, scale=scale, d_v=DV)[0]
-        f = functools.partial(dataclasses.replace, F(t32, block_k=64, num_warps=4, num_stages=2))
-        earlier = [f(), f(block_k=32), f(block_k=32, num_stages=3), f(block_k=16, num_stages=4),
-                   f(heads=t64, num_warps=8), f(slot_major=True), f(slot_major=True, num_warps=8),
-                   f(heads=t64, block_k=32, split_v=2, num_warps=8)]
-        c = functools.partial(f, value_chunks=4, lazy_rescale=True)     # `_fwd_chunks_kernel`
-        configs = earlier[:1] + [c(value_chunks=2), c(), c(value_chunks=2, lazy_rescale=False),
-                                 c(value_chunks=2, num_stages=3), c(num_stages=3), c(value_chunks=1),
-                                 c(value_chunks=2, block_k=128, num_stages=1)]
-        if a.fwd_all:
-            configs += earlier[1:]
+        c = functools.partial(dataclasses.replace, F(t32, block_k=64))      # the default: 2 chunks, lazy rescale
+        configs = [c(), c(value_chunks=4), c(value_chunks=2, lazy_rescale=False), c(num_stages=3),
+                   c(value_chunks=4, num_stages=3), c(value_chunks=1), c(block_k=128, num_stages=1),
+                   c(block_k=32, num_stages=3), c(heads=t64, block_k=32, value_chunks=4, num_warps=8),
+                   c(value_chunks=4, num_warps=8)]
         sweep(f"forward, T = {T:,}", configs,
               lambda c: sm.sparse_mla_fwd_launch(q, lat, idx, scale=scale, d_v=DV, cfg=c)[0],
               lambda o: f"{rel(o, ref):.1e}")
