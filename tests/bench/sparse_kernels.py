@@ -17,7 +17,8 @@ plus its radix top-k (an fp32 [T, T] buffer). TFLOP/s count the causal half: 2·
 Each time is the median of `--iters` calls after a warm-up (the first call compiles the Triton kernels); "peak"
 is the most memory allocated during the call above what was allocated before it. Outputs are compared with the
 reference in the same run (relative error of o, dq, dlatent; for the indexer, the share of selected keys that
-agree and whether every disagreement is a near-tie).
+agree and whether every disagreement is a near-tie). `--profile`: after each T's attention rows, the Triton
+backward's CUDA time per kernel, dlatent by atomics and in the fixed order (`deterministic=True`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ def measure(fn, iters: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2] * 1e3, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def kernel_times(name, fn, iters=3):
+    """CUDA time per kernel name of `fn` (averaged over `iters` calls after a warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n{name}\n| kernel | ms a call | calls a call |\n|---|---|---|")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total > 0:
+            print(f"| {e.key[:70]} | {e.device_time_total / iters / 1e3:.2f} | {e.count / iters:g} |", flush=True)
 
 
 def causal_selection(T: int, k: int, device) -> torch.Tensor:
@@ -101,7 +116,7 @@ def attention_inputs(T: int, H: int, k: int, dev) -> tuple[torch.Tensor, ...]:
     return q, lat, causal_selection(T, k, dev), torch.randn(1, T, H, DV, device=dev).bfloat16()
 
 
-def attention_rows(T: int, H: int, k: int, iters: int, dsa) -> None:
+def attention_rows(T: int, H: int, k: int, iters: int, dsa, profile: bool = False) -> None:
     dev = torch.device("cuda")
     scale = 192 ** -0.5
     q, lat, idx, do = attention_inputs(T, H, k, dev)
@@ -153,6 +168,10 @@ def attention_rows(T: int, H: int, k: int, iters: int, dsa) -> None:
     if t_fwd:
         print(f"forward: triton {t_fwd:.2f} ms (FlashMLA, measured 2026-11-30 with 96 heads padded to 128: 7.62 ms "
               f"at 8K, 31.41 ms at 32K; not installable here)", flush=True)
+    if profile:     # where the backward's time goes, dlatent by atomics and in a fixed order
+        for det in (False, True):
+            kernel_times(f"triton backward kernels, T = {T:,}, deterministic={det}", lambda: smt.sparse_mla_bwd_triton(
+                q, lat, idx, o_t, lse_t, do, None, scale=scale, d_v=DV, deterministic=det), iters=2)
 
 
 def indexer_rows(T: int, k: int, iters: int, dsa, reference_max: int) -> None:
@@ -206,13 +225,15 @@ def main():
     ap.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--reference-max", type=int, default=32768,
                     help="longest T at which the indexer is also run through the blocked torch reference")
+    ap.add_argument("--profile", action="store_true",
+                    help="then the Triton backward's time per kernel, atomic and deterministic (torch.profiler)")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     dsa = cudnn_dsa()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for T in a.tokens:
         if a.attention:
-            attention_rows(T, a.heads, a.topk, a.iters, dsa)
+            attention_rows(T, a.heads, a.topk, a.iters, dsa, a.profile)
         if a.indexer:
             indexer_rows(T, a.topk, a.iters, dsa, a.reference_max)
 

@@ -24,7 +24,7 @@ from kimi.ops import indexer_triton as it  # noqa: E402
 from kimi.ops import sparse_mla_triton as sm  # noqa: E402
 from kimi.ops.sparse_attention import sparse_mla_gather  # noqa: E402
 from kimi.ops.registry import sm_count  # noqa: E402
-from sparse_kernels import attention_inputs, measure, rel  # noqa: E402
+from sparse_kernels import attention_inputs, kernel_times, measure, rel  # noqa: E402
 
 
 def short(cfg) -> str:
@@ -45,20 +45,6 @@ def sweep(name, configs, run, check):
         except Exception as e:   # a configuration that does not compile or fit: report it, go on
             print(f"| {short(cfg)} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |", flush=True)
             torch.cuda.empty_cache()
-
-
-def kernel_times(name, fn, iters=3):
-    """CUDA time per kernel name of `fn` (averaged over `iters` calls after a warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    print(f"\n{name}\n| kernel | ms a call | calls a call |\n|---|---|---|")
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
-        if e.device_time_total > 0:
-            print(f"| {e.key[:70]} | {e.device_time_total / iters / 1e3:.2f} | {e.count / iters:g} |", flush=True)
 
 
 ROUND3 = sm.BwdConfig((32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_block_k=128,
