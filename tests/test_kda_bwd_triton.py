@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.library import opcheck
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import rel_err, resets
 from test_kda_triton import CASES, DEVICE, F64, FP32_TOL, GATES, _call, _f64, _inputs, _k3_inputs
@@ -191,6 +192,39 @@ def test_op_keeps_the_forward_scratch_only_for_a_gradient(monkeypatch):
             dict(scale=0.25, save=True))
     opcheck(torch.ops.kimi._kda_triton_bwd_saved.default, (saved, *(a.detach() for a in args), do.float(), dsN),
             dict(scale=0.25))
+
+
+class _Zeros(TorchDispatchMode):
+    """The shapes of the zero-filled tensors created while it is active."""
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default, torch.ops.aten.new_zeros.default):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_op_backward_gets_no_zeros_for_the_scratch(monkeypatch):
+    """The scratch the forward keeps is an output of `kimi::_kda_triton_fwd` without a gradient: autograd must not
+    hand its backward a zero tensor for each (as much memory again as the scratch); with o unused (the final state
+    alone) the gradients equal those of a zero do."""
+    monkeypatch.setattr(kb, "SAVE", "forward")
+    x = _inputs(1, 40, 2, 16, 16, "bounded", torch.bfloat16)
+    do, dsN = _bwd_inputs(x, True)
+    scratch = {shape for shape, _ in kb.saved_layout(x["q"], x["v"]).values()}
+    grads = []
+    for outs, gouts in (((0, 1), (do, dsN)), ((1,), (dsN,)), ((0, 1), (torch.zeros_like(do), dsN))):
+        leaves = [x[n].detach().clone().requires_grad_() for n in GRADS]
+        res = torch.ops.kimi.kda_triton(*leaves, None, scale=0.25)
+        with _Zeros() as z:
+            torch.autograd.backward([res[i] for i in outs], gouts)
+        assert not scratch & set(z.shapes), z.shapes
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(grads[1], grads[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @settings(max_examples=6, deadline=None)

@@ -303,6 +303,7 @@ def _attention_autograd(op, backward_op) -> None:
         o, lse = output
         ctx.save_for_backward(q, latent, indices, o, lse)
         ctx.kw = dict(keyword_only_inputs)
+        ctx.set_materialize_grads(False)    # an unused LSE's gradient stays None, not a zero tensor to read
 
     def backward(ctx, do, dlse):
         q, latent, indices, o, lse = ctx.saved_tensors
