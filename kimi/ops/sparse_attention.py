@@ -463,9 +463,9 @@ def _(q, latent, indices, *, scale, d_v, forward):
 def sparse_mla_cudnn_bwd(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                          dlse: Tensor | None, *, scale: float, d_v: int, forward: str) -> tuple[Tensor, Tensor]:
     """(dq, dlatent) of `sparse_mla_cudnn` on cuDNN's SM90 sparse backward, whichever forward ran. cuDNN takes no
-    LSE gradient; the backward is linear in (do, dlse), so a nonzero dlse (the layer never differentiates through
-    the LSE: autograd hands zeros) adds the torch gather's backward of (0, dlse), at the price of one device read
-    to tell."""
+    LSE gradient; the backward is linear in (do, dlse), so a nonzero dlse adds the torch gather's backward of
+    (0, dlse), at the price of one device read to tell. The layer never differentiates through the LSE, so its
+    backward gets None there (no zeros materialized, nothing to read)."""
     dq, dlat = cudnn_dsa.sparse_mla_bwd_cudnn(q, latent, indices, o, lse, do, scale=scale, d_v=d_v)
     if dlse is not None and bool(dlse.ne(0).any()):
         eq, el = sparse_mla_gather_bwd(q, latent, indices, o, lse, torch.zeros_like(do), dlse, scale=scale, d_v=d_v)
