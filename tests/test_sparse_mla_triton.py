@@ -235,6 +235,33 @@ def test_the_op_honours_torch_deterministic_algorithms(monkeypatch):
     assert asked == [False, True]
 
 
+def test_the_ops_backward_without_a_gradient_for_o_or_the_lse(monkeypatch):
+    """`kimi::sparse_mla_triton` and `kimi::sparse_mla_gather` with only o or only the LSE in the loss: the
+    backward gets None for the other one, not a zero tensor (the Triton kernels then run without the LSE term), and
+    the gradients equal those of the same loss with an explicit zero gradient for it."""
+    from kimi.ops.sparse_attention import sparse_mla_gather, sparse_mla_triton
+    dlses = []
+    real = sm.sparse_mla_bwd_triton
+
+    def spy(*args, **kwargs):
+        dlses.append(args[6])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sm, "sparse_mla_bwd_triton", spy)
+    q, lat, do, dlse = _inputs(1, 3, 4, 20, 48, 32, torch.float32)
+    idx = _selection(1, 3, 20, 8)
+    for op in (sparse_mla_triton, sparse_mla_gather):
+        grads = []
+        for outs in ((do, None), (do, torch.zeros_like(dlse)), (None, dlse), (torch.zeros_like(do), dlse)):
+            qg, lg = q.clone().requires_grad_(), lat.clone().requires_grad_()
+            o, lse = op(qg, lg, idx, scale=0.3, d_v=32)
+            torch.autograd.backward([t for t, g in zip((o, lse), outs) if g is not None],
+                                    [g for g in outs if g is not None])
+            grads.append((qg.grad, lg.grad))
+        for a, b in (grads[0], grads[1]), (grads[2], grads[3]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert dlses[0] is None and dlses[1] is not None and dlses[2] is not None
+
+
 @pytest.mark.parametrize("bwd_cfg, deterministic", [
     (Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_gemm=True, gemm_block_k=16, gemm_block_n=16,
         gemm_block_j=32), False),
@@ -566,7 +593,7 @@ def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
      Bw(heads=(32, 32, 32), block_k=128, num_warps=8, num_stages=4, dkv_gemm=True, gemm_dq=True, pds_all_heads=True,
         pds_dlat=True, pds_skewed=True, pds_block_c=32, gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4,
         dkv_num_stages=2, gemm_rows=100)),
-], ids=["sm8w,dkv64x16", "sm4w,dq-sm64,dkv64x32", "fwd64+32,dkv32x32-8w", "dkv-gemm128", "cols-dq", "gemm-dq",
+], ids=["dkv-sm64x16", "chunks4,dq-sm64,dkv-sm64x32", "fwd64+32,dkv-sm32x32-8w", "dkv-gemm128", "cols-dq", "gemm-dq",
         "pds", "pds-dlat", "skewed"])
 def test_cuda_slot_major_launches_compile_and_match(fwd_cfg, bwd_cfg):
     """The transposed kernels in the tiles proposed for timing (offline sm_90 compiles: no or few spills, wgmma

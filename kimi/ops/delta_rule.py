@@ -485,7 +485,7 @@ def _triton_setup(ctx, inputs, keyword_only_inputs, output):
 def _triton_backward(ctx, do, ds, _):
     q, k, v, g, beta, s0, reset, *saved = ctx.saved_tensors
     if do is None:      # only the final state was used
-        do = torch.zeros_like(v)
+        do = v.new_zeros(v.shape)
     if ds is None:
         ds = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], dtype=torch.float32)
     tensors = (q, k, v, g, beta, s0, reset, do.contiguous(), ds.contiguous())

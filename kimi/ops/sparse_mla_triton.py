@@ -158,8 +158,8 @@ if triton is not None:
         # program (query, head tile[, key split]) of the module docstring's forward, the value columns in NC (1, 2
         # or 4) chunks of CW: each chunk's gathered tile has a layout whose threads hold few rows (one offset serves
         # every chunk: [64, 256] tiles hold 16 rows a thread where one [64, 512] tile holds 32) and its own
-        # accumulator. (The scores as two chains of dots summed
-        # compile to the same code: Triton folds a sum of dots into one accumulator chain.)
+        # accumulator. (The scores as two chains of dots summed compile to the same code: Triton folds a sum of dots
+        # into one accumulator chain.)
         # LAZY: the accumulators are rescaled only when some head's running max grew by more than 2^8 (a uniform
         # branch); otherwise p is taken against the old max (p <= 2^8: exact in the dots' dtypes' range).
         # FULL: the widths are exactly BV and DTP (no column masks).
