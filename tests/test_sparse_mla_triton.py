@@ -108,11 +108,11 @@ def test_matches_float64_reference(dtype, B, T, H, S, D, d_v, k, layout, lse_gra
     (F(heads=(64, 32), block_k=16, value_chunks=4), Bw(heads=(64, 32), block_k=16, dkv_block_k=16, dkv_block_h=64)),
     (F(heads=(16,) * 6, block_k=32), Bw(heads=(16,) * 6, block_k=32, dkv_block_k=64, dkv_block_h=16)),
     (F(heads=(128,), block_k=64, value_chunks=1), Bw(heads=(128,), block_k=64, dkv_block_k=32, dkv_block_h=128)),
-    (F(heads=(32, 32, 32), block_k=16), Bw(heads=(32, 32, 32), block_k=16, fused_dkv=True)),
-], ids=["64+32,chunks4", "16x6", "128-padded,chunks1", "32x3,fused-dkv"])
+    (F(heads=(32, 32, 32), block_k=16), Bw(heads=(32, 32, 32), block_k=16, dkv_block_k=32, dkv_block_h=32)),
+], ids=["64+32,chunks4", "16x6", "128-padded,chunks1", "32x3"])
 def test_every_head_tiling_matches(fwd_cfg, bwd_cfg):
     """96 heads under the other tilings (a 64- and a 32-head launch, six 16-head tiles, one tile padded to 128),
-    key blocks smaller and larger than k's remainder, and the backward whose dq kernel adds dlatent itself."""
+    key blocks smaller and larger than k's remainder, through the recomputing backward kernels."""
     q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
     _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, fwd_cfg=fwd_cfg,
                              bwd_cfg=bwd_cfg)
@@ -163,17 +163,16 @@ def test_value_chunks_lazy_rescale_is_exercised():
 
 @pytest.mark.parametrize("fwd_cfg, bwd_cfg, deterministic", [
     (F(heads=(32, 32, 32), block_k=16),
-     Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_slot_major=True, dkv_block_k=16, dkv_block_h=32,
-        dkv_num_warps=4, dkv_num_stages=1), False),
+     Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_block_k=16, dkv_block_h=32, dkv_num_warps=4,
+        dkv_num_stages=1), False),
     (F(heads=(64, 32), block_k=32),
-     Bw(heads=(64, 32), block_k=32, slot_major=True, fused_dkv=True), False),
+     Bw(heads=(64, 32), block_k=32, slot_major=True, dkv_block_k=64, dkv_block_h=16), False),
     (F(heads=(16,) * 6, block_k=64, splits=2),
-     Bw(heads=(16,) * 6, block_k=64, dkv_slot_major=True, dkv_block_k=64, dkv_block_h=16), True),
-], ids=["32x3", "64+32,fused-dkv", "16x6,key-splits,deterministic"])
+     Bw(heads=(16,) * 6, block_k=64, slot_major=True, dkv_block_k=64, dkv_block_h=16), True),
+], ids=["32x3", "64+32", "16x6,key-splits,deterministic"])
 def test_slot_major_kernels_match(fwd_cfg, bwd_cfg, deterministic):
-    """The transposed backward kernels (`slot_major`: slots on the dots' M side; the dkv kernel's interleaved q /
-    do tile) under several tilings, with the fused dlatent and the deterministic one, and the dkv kernel's own
-    warps and stages."""
+    """The transposed dq kernel (`slot_major`: slots on the dots' M side) under several tilings, with the
+    recomputing dkv kernel atomic and deterministic, and the dkv kernel's own warps and stages."""
     q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
     _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, fwd_cfg=fwd_cfg,
                              bwd_cfg=bwd_cfg, deterministic=deterministic, chunk_rows=2 if deterministic else None)
@@ -188,7 +187,7 @@ def test_release_widths(dtype):
 
 
 @pytest.mark.parametrize("bwd_cfg", [
-    Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_slot_major=True, dkv_block_k=64, dkv_block_h=32),
+    Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_block_k=32, dkv_block_h=32),
     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_gemm=True, gemm_block_k=128),
     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, dkv_gemm=True, gemm_dq=True, gemm_block_k=64,
        gemm_block_n=64),
@@ -196,9 +195,7 @@ def test_release_widths(dtype):
        gemm_block_n=64),
     Bw(heads=(32, 32, 32), block_k=64, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3, pds_all_heads=True,
        pds_dlat=True, pds_one_loop=True, gemm_block_k=64, gemm_block_n=64),
-    Bw(heads=(32, 32, 32), block_k=64, dkv_gemm=True, gemm_dq=True, pds_all_heads=True, pds_dlat=True,
-       pds_skewed=True, pds_block_c=32, gemm_block_k=64, gemm_block_n=64),
-], ids=["dkv-sm", "dkv-gemm", "gemm-dq", "pds", "pds-dlat", "skewed"])
+], ids=["dkv", "dkv-gemm", "gemm-dq", "pds", "pds-dlat"])
 def test_slot_major_at_release_widths(bwd_cfg):
     """The transposed kernels at 96 x 576 / 512 in bf16, in the tiles proposed for the H200 (64 slots a step), with
     the recomputing dkv kernel and with the GEMM over the stored ds, p."""
@@ -268,12 +265,6 @@ def test_the_ops_backward_without_a_gradient_for_o_or_the_lse(monkeypatch):
     (Bw(heads=(64, 32), block_k=32, dkv_gemm=True, gemm_block_k=32, gemm_block_n=32, gemm_rows=2), True),
     (Bw(heads=(16,) * 6, block_k=16, slot_major=True, dkv_gemm=True, gemm_block_k=64, gemm_block_j=16,
         gemm_rows=1), False),
-    (Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_gemm=True, gemm_cols=True, gemm_block_k=16,
-        gemm_block_n=16), False),
-    (Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_gemm=True, gemm_cols=True, gemm_cols_dq=True,
-        gemm_block_k=16, gemm_block_n=16, gemm_rows=2), False),
-    (Bw(heads=(64, 32), block_k=32, dkv_gemm=True, gemm_cols=True, gemm_cols_dq=True, gemm_block_k=64,
-        gemm_rows=2), True),
     (Bw(heads=(32, 32, 32), block_k=16, slot_major=True, dkv_gemm=True, gemm_dq=True, gemm_block_k=16,
         gemm_block_n=16), False),
     (Bw(heads=(64, 32), block_k=32, dkv_gemm=True, gemm_dq=True, gemm_block_k=32, gemm_block_n=64, gemm_rows=2),
@@ -286,25 +277,19 @@ def test_the_ops_backward_without_a_gradient_for_o_or_the_lse(monkeypatch):
         pds_dlat=True, pds_block_c=16, gemm_block_k=32, gemm_block_n=16), False),
     (Bw(heads=(32, 32, 32), block_k=32, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=2, pds_all_heads=True,
         pds_dlat=True, pds_one_loop=True, gemm_block_k=16, gemm_block_n=32, gemm_rows=2), True),
-    (Bw(heads=(32, 32, 32), block_k=16, dkv_gemm=True, gemm_dq=True, pds_all_heads=True, pds_dlat=True,
-        pds_skewed=True, pds_block_c=32, gemm_block_k=32, gemm_block_n=16, gemm_rows=2), False),
-    (Bw(heads=(32, 32, 32), block_k=32, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3, pds_all_heads=True,
-        pds_dlat=True, pds_skewed=True, pds_block_c=16, gemm_block_k=16, gemm_block_n=16), True),
-], ids=["32x3,blocks16", "64+32,chunks2,deterministic", "16x6,chunks1", "cols,blocks16", "cols-dq,chunks2",
-        "cols-dq,deterministic", "gemm-dq,blocks16", "gemm-dq,chunks2,deterministic", "pds,blocks16,chunks2",
-        "pds,deterministic", "pds-dlat,x3", "pds-dlat,one-loop,x2,chunks2,deterministic", "skewed,chunks2",
-        "skewed,x3,deterministic"])
+    (Bw(heads=(32, 32, 32), block_k=16, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3, pds_all_heads=True,
+        pds_dlat=True, pds_one_loop=True, pds_block_c=32, gemm_block_k=16, gemm_block_n=16, gemm_rows=2), True),
+], ids=["32x3,blocks16", "64+32,chunks2,deterministic", "16x6,chunks1", "gemm-dq,blocks16",
+        "gemm-dq,chunks2,deterministic", "pds,blocks16,chunks2", "pds,deterministic", "pds-dlat,x3",
+        "pds-dlat,one-loop,x2,chunks2,deterministic", "pds-dlat,one-loop,x3,chunks2,deterministic"])
 def test_dkv_gemm_matches(bwd_cfg, deterministic):
     """dlatent from the ds and p the dq kernels store (`dkv_gemm`): value and tail column blocks narrower and wider
     than the widths, stacked-head steps that split [ds | p] inside and across its halves, chunks of one and two
-    queries (a buffer reused), atomic and deterministic; the kernel walking the columns of a slot block
-    (`gemm_cols`), also adding dq's share by atomics (`gemm_cols_dq`: the dq kernels store ds and p only; the
-    deterministic path keeps the dq kernel's dq); the kernel walking the slots of a column block that also forms
-    dq (`gemm_dq`: column blocks straddling the value / tail boundary and wider than the latent), with ds and p
-    from the kernel for all heads of a query (`pds_all_heads`: column steps narrower and wider than the tail),
-    that kernel also adding dlatent (`pds_dlat`; its columns in one loop: `pds_one_loop`; its passes merged across
-    steps: `pds_skewed`), and column blocks two and three to a program (`gemm_dq_blocks`, the last ones past the
-    latent's width)."""
+    queries (a buffer reused), atomic and deterministic; the kernel walking the slots of a column block that also
+    forms dq (`gemm_dq`: column blocks straddling the value / tail boundary and wider than the latent), with ds and
+    p from the kernel for all heads of a query (`pds_all_heads`: column steps narrower and wider than the tail),
+    that kernel also adding dlatent (`pds_dlat`; its columns in one loop: `pds_one_loop`), and column blocks two
+    and three to a program (`gemm_dq_blocks`, the last ones past the latent's width)."""
     q, lat, do, dlse = _inputs(1, 3, 96, 45, 48, 32, torch.float32)
     _check_against_reference(q, lat, _selection(1, 3, 45, 41), do, dlse, scale=0.2, d_v=32, bwd_cfg=bwd_cfg,
                              deterministic=deterministic)
@@ -317,27 +302,26 @@ def test_gemm_dq_without_lse_gradient(dtype):
     (Δ = Σ do ⊙ o alone), 40 heads as a 32- and a 16-head group (the second masked), widths not powers of two."""
     q, lat, do, _ = _inputs(1, 4, 40, 30, 44, 24, dtype)
     idx = _selection(1, 4, 30, 23)
-    for pds, fused, one, skewed in ((False, False, False, False), (True, True, False, False), (True, True, True, True)):
+    for pds, fused, one in ((False, False, False), (True, True, False), (True, True, True)):
         _check_against_reference(q, lat, idx, do, None, scale=0.3, d_v=24, bwd_cfg=Bw(
             heads=(32, 16), block_k=16, dkv_gemm=True, gemm_dq=True, pds_all_heads=pds, pds_dlat=fused,
-            pds_one_loop=one, pds_skewed=skewed, pds_block_c=16, gemm_block_k=16, gemm_block_n=32))
+            pds_one_loop=one, pds_block_c=16, gemm_block_k=16, gemm_block_n=32))
 
 
 @settings(max_examples=12)
 @given(B=st.integers(1, 2), T=st.integers(1, 5), H=st.integers(1, 40), S=st.integers(1, 30), k=st.integers(1, 40),
        widths=st.sampled_from([(24, 16), (40, 32), (33, 17), (32, 32)]), block_k=st.sampled_from([16, 32, 64]),
        widest=st.sampled_from([16, 32, 64]), chunks=st.sampled_from([1, 2, 4]), splits=st.integers(1, 4),
-       dkv=st.sampled_from([(16, 16, False), (32, 32, False), (64, 16, False), (16, 16, True)]),
-       deterministic=st.booleans(), slot_major=st.booleans(), dkv_slot_major=st.booleans(),
+       dkv=st.sampled_from([(16, 16), (32, 32), (64, 16)]), deterministic=st.booleans(), slot_major=st.booleans(),
        gemm=st.sampled_from([None, (16, 16, 16, None, ""), (32, 64, 32, 2, ""), (64, 16, 64, None, ""),
-                             (16, 16, 16, None, "cols"), (32, 64, 16, 2, "cols-dq"), (64, 16, 16, None, "cols-dq"),
-                             (16, 32, 16, 2, "dq")]),
+                             (16, 32, 16, 2, "dq"), (16, 16, 16, 2, "pds"), (32, 32, 16, None, "pds-dlat")]),
        layout=st.sampled_from(["holes", "prefix"]), seed=st.integers(0, 2**31 - 1))
 def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, chunks, splits, dkv, deterministic,
-                                    slot_major, dkv_slot_major, gemm, layout, seed):
+                                    slot_major, gemm, layout, seed):
     """Drawn shapes (a latent without a tail included) under drawn launches: head tiles, key blocks, value chunks,
-    key splits, dkv tiles, the fused dlatent or the GEMM over stored ds, p (its blocks, chunks and column walk),
-    atomic or deterministic, default or transposed (`slot_major`) backward kernels."""
+    key splits, dkv tiles or the GEMM over stored ds, p (its blocks and chunks; forming dq; ds, p from the kernel
+    for all heads of a query, which may add dlatent itself), atomic or deterministic, default or transposed
+    (`slot_major`) dq kernels."""
     torch.manual_seed(seed)
     D, d_v = widths
     # with an LSE gradient: without one, rows of a single key have dq = 0 up to rounding (nothing to compare)
@@ -346,13 +330,12 @@ def test_random_shapes_and_launches(B, T, H, S, k, widths, block_k, widest, chun
     _check_against_reference(q, lat, _selection(B, T, S, k, layout), do, dlse, scale=0.3, d_v=d_v,
                              fwd_cfg=F(heads=heads, block_k=block_k, value_chunks=chunks, splits=splits),
                              bwd_cfg=Bw(heads=heads, block_k=block_k, dkv_block_k=dkv[0], dkv_block_h=dkv[1],
-                                        fused_dkv=dkv[2], slot_major=slot_major, dkv_slot_major=dkv_slot_major,
+                                        slot_major=slot_major,
                                         **({} if gemm is None else dict(dkv_gemm=True, gemm_block_k=gemm[0],
                                                                         gemm_block_n=gemm[1], gemm_block_j=gemm[2],
-                                                                        gemm_rows=gemm[3],
-                                                                        gemm_cols=gemm[4].startswith("cols"),
-                                                                        gemm_cols_dq=gemm[4] == "cols-dq",
-                                                                        gemm_dq=gemm[4] == "dq"))),
+                                                                        gemm_rows=gemm[3], gemm_dq=gemm[4] != "",
+                                                                        pds_all_heads=gemm[4].startswith("pds"),
+                                                                        pds_dlat=gemm[4] == "pds-dlat"))),
                              deterministic=deterministic)
 
 
@@ -552,8 +535,8 @@ def test_cuda_float32_parity_path():
     (F(heads=(64, 32), block_k=32, value_chunks=4, num_warps=8), Bw(heads=(64, 32))),
     (F(heads=(64, 32), block_k=32, num_warps=8), Bw(heads=(16,) * 6, dkv_block_k=16, num_warps=4)),
     (F(heads=(32, 32, 32), block_k=32, num_stages=3), Bw(heads=(32, 32, 32), num_stages=1)),
-    (F(heads=(32, 32, 32), value_chunks=1), Bw(heads=(32, 32, 32), block_k=16, fused_dkv=True)),
-], ids=["64+32,chunks4", "64+32,16x6", "32x3,bk32", "chunks1,fused-dkv"])
+    (F(heads=(32, 32, 32), value_chunks=1), Bw(heads=(32, 32, 32), block_k=16, slot_major=True)),
+], ids=["64+32,chunks4", "64+32,16x6", "32x3,bk32", "chunks1,dq-sm16"])
 def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
     """The launches worth timing against the default ones fit the H200 (64 heads in the dkv kernel's steps need
     more than its 227 KB of shared memory) and give the float64 result."""
@@ -565,20 +548,11 @@ def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fwd_cfg, bwd_cfg", [
-    (F(heads=(32, 32, 32), block_k=64),
-     Bw(heads=(32, 32, 32), block_k=32, num_warps=8, dkv_slot_major=True, dkv_block_k=64, dkv_block_h=16)),
     (F(heads=(32, 32, 32), block_k=64, value_chunks=4),
-     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_slot_major=True, dkv_block_k=64,
-        dkv_block_h=32, dkv_num_warps=8)),
-    (F(heads=(64, 32), block_k=32, num_warps=8),
-     Bw(heads=(32, 32, 32), block_k=32, num_warps=4, dkv_slot_major=True, dkv_block_k=32, dkv_block_h=32,
-        dkv_num_warps=8)),
+     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_block_k=32, dkv_block_h=32)),
     (F(heads=(32, 32, 32), block_k=64),
      Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_block_k=128,
         dkv_num_warps=8, gemm_rows=100)),
-    (F(heads=(32, 32, 32), block_k=64),
-     Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_cols=True,
-        gemm_cols_dq=True, gemm_block_k=128, gemm_block_n=64, gemm_rows=100)),
     (F(heads=(32, 32, 32), block_k=64),
      Bw(heads=(32, 32, 32), block_k=64, slot_major=True, num_warps=4, dkv_gemm=True, gemm_dq=True, gemm_block_k=64,
         gemm_block_n=64, gemm_rows=100)),
@@ -589,16 +563,11 @@ def test_cuda_alternative_launches_compile_and_match(fwd_cfg, bwd_cfg):
      Bw(heads=(32, 32, 32), block_k=128, num_warps=8, num_stages=2, dkv_gemm=True, gemm_dq=True, gemm_dq_blocks=3,
         pds_all_heads=True, pds_dlat=True, pds_one_loop=True, gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4,
         dkv_num_stages=2, gemm_rows=100)),
-    (F(heads=(32, 32, 32), block_k=64),
-     Bw(heads=(32, 32, 32), block_k=128, num_warps=8, num_stages=4, dkv_gemm=True, gemm_dq=True, pds_all_heads=True,
-        pds_dlat=True, pds_skewed=True, pds_block_c=32, gemm_block_k=64, gemm_block_n=64, dkv_num_warps=4,
-        dkv_num_stages=2, gemm_rows=100)),
-], ids=["dkv-sm64x16", "chunks4,dq-sm64,dkv-sm64x32", "fwd64+32,dkv-sm32x32-8w", "dkv-gemm128", "cols-dq", "gemm-dq",
-        "pds", "pds-dlat", "skewed"])
+], ids=["chunks4,dq-sm64,dkv32x32", "dkv-gemm128", "gemm-dq", "pds", "pds-dlat"])
 def test_cuda_slot_major_launches_compile_and_match(fwd_cfg, bwd_cfg):
-    """The transposed kernels in the tiles proposed for timing (offline sm_90 compiles: no or few spills, wgmma
-    at 64 slots) and the dlatent GEMM over stored ds, p (chunks of 100 queries; walking the columns with dq's
-    atomics) fit the H200 and give the float64 result."""
+    """The transposed dq kernel in the tiles proposed for timing (offline sm_90 compiles: no or few spills, wgmma
+    at 64 slots) and the dlatent GEMMs over stored ds, p (chunks of 100 queries) fit the H200 and give the float64
+    result."""
     H, D, d_v, S, k = 96, 576, 512, 4096, 2048
     q, lat, do, dlse = _inputs(1, 256, H, S, D, d_v, torch.bfloat16)
     _check_against_reference(q, lat, _causal_selection(1, 256, S, k, "cuda"), do, dlse, scale=192 ** -0.5,

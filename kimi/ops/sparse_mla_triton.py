@@ -48,34 +48,32 @@ read back to the host, so the launch can be captured in a CUDA graph.
   head range; then one fp32 atomic add per element into a [B, S, D] fp32 buffer (rounded to the latent's dtype
   at the end). Summing all 96 heads before the atomics cuts them 3× against per-head-tile atomics; the price is
   s and dp computed in both kernels (1.4× the FLOPs of a fused backward: 2·(4·D + 3·d_v) per (head, slot)
-  against 2·(3·D + 2·d_v)) and q, do re-read per key block (L2). `fused_dkv=True` is the other side of that
-  trade: the dq kernel adds its head tile's dkv atomically every step and the dkv kernel does not run.
+  against 2·(3·D + 2·d_v)) and q, do re-read per key block (L2). This pair is the fp32 path's.
 - `dkv_gemm=True`: no recomputation at all. The dq kernel also writes the ds and p it rounds for its dots
   (q's dtype, [rows, K, 2·H]: 2·H·2 bytes a slot, a chunk of queries at a time) and `_bwd_dkv_gemm_kernel`, per
   (query, block of slots, block of columns), forms dkv = [ds | p]·[q; do] (K = 2·H stacked heads) over the value
   columns and ds·q over the tail, then the same fp32 atomics (or the deterministic per-slot rows). The FLOPs are
   the minimal 2·(3·D + 2·d_v) per (head, slot); the price is the buffer's write and read (the default in
-  16-bit). Variants: `gemm_cols`, one program per (query, slot block) holding its ds, p and walking the columns
-  (each buffer element read once); `gemm_cols_dq`, that walk also adding dq's share dsᵀ·kv by fp32 atomics, so
-  the dq kernel only computes and stores ds, p. `gemm_dq`: one program per (query, block of columns) walking the
-  query's slots instead, adding dkv as above and forming dq = dsᵀ·kv over its columns in registers (written
-  once, no atomics; each selected row gathered once more, for all heads); the dq kernels then only compute and
-  store ds and p, without the dq accumulator that made them spill. `pds_all_heads`: ds and p from
+  16-bit). `gemm_dq`: one program per (query, block of columns) walking the query's slots instead, adding dkv as
+  above and forming dq = dsᵀ·kv over its columns in registers (written once, no atomics; each selected row
+  gathered once more, for all heads); the dq kernels then only compute and store ds and p, without the dq
+  accumulator that made them spill. `pds_all_heads`: ds and p from
   `_bwd_pds_kernel` instead, one program per query for all heads (each selected row gathered once, not once
   per head tile), each step of slots a GEMM main loop over the latent's columns with the gathered rows, q and do
   streamed through shared memory; `pds_dlat`: that kernel also adds dlatent in a second pass over the columns
-  (ds and p the register operand) and the GEMM forms dq only; `pds_skewed` merges the two passes across steps.
+  (ds and p the register operand) and the GEMM forms dq only. That last arrangement is the 16-bit default up to
+  128 heads.
 - `deterministic=True`: the dkv kernel writes each (query, slot)'s row to an fp32 buffer instead (queries in
   chunks of at most 2^28 elements, as the reference's blocks), the chunk's slots are sorted by key (stable), and
   `_dkv_reduce_kernel` (one program per latent row) sums its run in that fixed order and adds it to the row;
   chunks run in order. Bitwise reproducible, at twice the dkv memory traffic plus a sort per chunk.
 
-**Transposed kernels** (`slot_major`: the dq kernel's default in 16-bit beyond 128 heads; `dkv_slot_major`). A
-head tile of 32 rows is below wgmma's M of 64 a warpgroup, so the kernels above run mma.sync at 32 heads;
-`_bwd_dq_kernel_sm` and `_bwd_dkv_kernel_sm` put the slots on M instead (s^T = kv·q^T), with q^T, ds^T as
-shared-memory operands. The dkv one stages q and do as one interleaved tile so that its accumulator is updated by a
-single dot (two chained dots get different layouts at 8 warps). Same contract and numerics up to fp32 summation
-order.
+**Transposed dq kernel** (`slot_major`: the default in 16-bit beyond 128 heads). A head tile of 32 rows is below
+wgmma's M of 64 a warpgroup, so `_bwd_dq_kernel` runs mma.sync at 32 heads; `_bwd_dq_kernel_sm` puts the slots on M
+instead (s^T = kv·q^T), with q^T, do^T, ds^T as shared-memory operands. Same contract and numerics up to fp32
+summation order. Variants measured slower and retired (docs/performance.md): the dq kernel adding dlatent itself,
+a transposed dlatent kernel, a dlatent GEMM walking the columns, and the per-query kernel's two passes merged
+across steps.
 
 Precision: fp32 accumulation everywhere. bf16 (fp16) inputs go to the tensor cores as they are; p and ds are
 rounded to the input dtype before their second dot (as every flash kernel does), which is most of the ~1e-3
@@ -295,12 +293,12 @@ if triton is not None:
         return delta, tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
 
     @triton.jit
-    def _bwd_dq_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr, pds_ptr,
+    def _bwd_dq_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, pds_ptr,
                        row0, T, S, H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr, BK: tl.constexpr,
                        DVP: tl.constexpr, DTP: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr,
-                       FUSED: tl.constexpr, PDS: tl.constexpr, DQ: tl.constexpr, F32: tl.constexpr):
-        # FUSED: also this head tile's share of dlatent, added atomically every step (no dkv kernel). PDS: also ds and
-        # p of every visited slot into the chunk's [rows, K, 2·H] buffer (rows from row0), for `_bwd_dkv_gemm_kernel`
+                       PDS: tl.constexpr, DQ: tl.constexpr, F32: tl.constexpr):
+        # PDS: also ds and p of every visited slot into the chunk's [rows, K, 2·H] buffer (rows from row0), for
+        # `_bwd_dkv_gemm_kernel`
         pid = tl.program_id(0).to(tl.int64)
         tile = pid % NT
         local = pid // NT
@@ -340,13 +338,6 @@ if triton is not None:
                 pm = hm[:, None] & (slot < K)[None, :]
                 tl.store(dst, ds, mask=pm)
                 tl.store(dst + H, p.to(ds.dtype), mask=pm)
-            if FUSED:
-                ds_t = tl.trans(ds)
-                dkv_v = _mm(tl.trans(p).to(kv_v.dtype), do, _mm(ds_t, q_v, tl.zeros([BK, DVP], tl.float32), F32), F32)
-                dkv_t = _mm(ds_t, q_t, tl.zeros([BK, DTP], tl.float32), F32)
-                dst = dlat_ptr + kv_off[:, None]
-                tl.atomic_add(dst + cv[None, :], dkv_v, mask=valid[:, None] & (cv[None, :] < DV), sem="relaxed")
-                tl.atomic_add(dst + ct[None, :], dkv_t, mask=valid[:, None] & (ct[None, :] < D), sem="relaxed")
         if DQ:
             tl.store(dq_ptr + (qh * D)[:, None] + cv[None, :], dq_v.to(dq_ptr.dtype.element_ty), mask=m_v)
             tl.store(dq_ptr + (qh * D)[:, None] + ct[None, :], dq_t.to(dq_ptr.dtype.element_ty), mask=m_t)
@@ -400,11 +391,10 @@ if triton is not None:
             tl.store(out_ptr + (e * D)[:, None] + ct[None, :], acc_t, mask=m_t)
 
     @triton.jit
-    def _bwd_dq_kernel_sm(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, dlat_ptr,
-                          pds_ptr, row0, T, S, H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr,
-                          BK: tl.constexpr, DVP: tl.constexpr, DTP: tl.constexpr, IB: tl.constexpr,
-                          HAS_DLSE: tl.constexpr, FUSED: tl.constexpr, PDS: tl.constexpr, DQ: tl.constexpr,
-                          F32: tl.constexpr):
+    def _bwd_dq_kernel_sm(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, dq_ptr, delta_ptr, pds_ptr,
+                          row0, T, S, H, K, D, DV, h_start, NT, scale, scale2, BH: tl.constexpr, BK: tl.constexpr,
+                          DVP: tl.constexpr, DTP: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr,
+                          PDS: tl.constexpr, DQ: tl.constexpr, F32: tl.constexpr):
         # `_bwd_dq_kernel` transposed (`slot_major`): s^T, dp^T, ds^T [BK, BH] with the slots on M, and
         # dq^T += kv^T·ds^T [D, BH]; q^T, do^T and ds^T are the dots' shared-memory B operands
         pid = tl.program_id(0).to(tl.int64)
@@ -446,13 +436,6 @@ if triton is not None:
                 pm = (slot < K)[:, None] & hm[None, :]
                 tl.store(dst, ds, mask=pm)
                 tl.store(dst + H, p.to(ds.dtype), mask=pm)
-            if FUSED:
-                dkv_v = _mm(p.to(kv_v.dtype), tl.trans(doT),
-                            _mm(ds, tl.trans(qT_v), tl.zeros([BK, DVP], tl.float32), F32), F32)
-                dkv_t = _mm(ds, tl.trans(qT_t), tl.zeros([BK, DTP], tl.float32), F32)
-                dst = dlat_ptr + kv_off[:, None]
-                tl.atomic_add(dst + cv[None, :], dkv_v, mask=valid[:, None] & (cv[None, :] < DV), sem="relaxed")
-                tl.atomic_add(dst + ct[None, :], dkv_t, mask=valid[:, None] & (ct[None, :] < D), sem="relaxed")
         if DQ:
             # the store's mask and addresses formed here in their own terms: written as the loads' are, CSE would
             # merge them and hold them in registers across the loop
@@ -462,63 +445,6 @@ if triton is not None:
                      mask=hs[None, :] & (cv[:, None] < DV))
             tl.store(dst[None, :] + ct[:, None], dqT_t.to(dq_ptr.dtype.element_ty),
                      mask=hs[None, :] & (ct[:, None] < D))
-
-    @triton.jit
-    def _bwd_dkv_kernel_sm(q_ptr, lat_ptr, idx_ptr, lse_ptr, do_ptr, delta_ptr, out_ptr, row0, NKB, T, S, H, K, D,
-                           DV, scale, scale2, BK: tl.constexpr, BH: tl.constexpr, DVP: tl.constexpr,
-                           DTP: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr):
-        # `_bwd_dkv_kernel` with the slots on M (`slot_major`) and q, do of a head step staged as one interleaved
-        # [2·BH, DVP] tile qd (row 2i: q_v of head i, row 2i + 1: its do), so that
-        #   [s_v | dp]^T = kv_v·qd^T      one dot, its columns split in registers (pairs of a thread)
-        #   acc_v += [ds | p]·qd          one dot of K = 2·BH: dsᵀ q_v + pᵀ do
-        # Two chained dots into acc_v would get different wgmma layouts at 8 warps (Triton gives a dot whose result
-        # feeds another dot all warps along M), converting the [BK, DVP] accumulator through shared memory twice a
-        # step; as one dot it stays put. q and do are staged once, as the B operand of both their dots.
-        local = tl.program_id(0).to(tl.int64)
-        kb = local % NKB
-        local = local // NKB
-        row = row0 + local
-        b = row // T
-        slot = kb * BK + tl.arange(0, BK)
-        ix = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
-        valid = (ix >= 0) & (ix < S)
-        key = b * S + tl.where(valid, ix, 0).to(tl.int64)
-        cv = tl.arange(0, DVP)
-        ct = DV + tl.arange(0, DTP)
-        kv_v = tl.load(lat_ptr + (key * D)[:, None] + cv[None, :], mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
-        kv_t = tl.load(lat_ptr + (key * D)[:, None] + ct[None, :], mask=valid[:, None] & (ct[None, :] < D), other=0.0)
-        acc_v = tl.zeros([BK, DVP], tl.float32)
-        acc_t = tl.zeros([BK, DTP], tl.float32)
-        heads = tl.where(tl.max(valid.to(tl.int32), 0) > 0, H, 0)
-        r = tl.arange(0, 2 * BH)
-        for h0 in range(0, heads, BH):
-            h = h0 + tl.arange(0, BH)
-            hm = h < H
-            qh = row * H + h
-            hr = h0 + r // 2
-            src = tl.where(r % 2 == 0, q_ptr + (row * H + hr) * D, do_ptr + (row * H + hr) * DV)
-            qd = tl.load(src[:, None] + cv[None, :], mask=(hr < H)[:, None] & (cv[None, :] < DV), other=0.0)
-            q_t = tl.load(q_ptr + (qh * D)[:, None] + ct[None, :], mask=hm[:, None] & (ct[None, :] < D), other=0.0)
-            lse = tl.load(lse_ptr + qh, mask=hm, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-            delta = tl.load(delta_ptr + qh, mask=hm, other=0.0)
-            s_v, dp = tl.split(tl.reshape(_mm(kv_v, tl.trans(qd), tl.zeros([BK, 2 * BH], tl.float32), F32),
-                                          [BK, BH, 2]))
-            s = _mm(kv_t, tl.trans(q_t), s_v, F32)
-            p = tl.where(valid[:, None] & hm[None, :], tl.exp2(s * scale2 - lse2[None, :]), 0.0)      # [BK, BH]
-            ds = (p * (dp - delta[None, :]) * scale).to(kv_v.dtype)
-            acc_v = _mm(tl.reshape(tl.join(ds, p.to(kv_v.dtype)), [BK, 2 * BH]), qd, acc_v, F32)
-            acc_t = _mm(ds, q_t, acc_t, F32)
-        ok = valid & (slot >= 0)        # masks formed here in their own terms (see `_bwd_dq_kernel_sm`'s dq store)
-        m_v = ok[:, None] & (cv[None, :] < DV)
-        m_t = ok[:, None] & (ct[None, :] < D)
-        if ATOMIC:
-            tl.atomic_add(out_ptr + (key * D)[:, None] + cv[None, :], acc_v, mask=m_v, sem="relaxed")
-            tl.atomic_add(out_ptr + (key * D)[:, None] + ct[None, :], acc_t, mask=m_t, sem="relaxed")
-        else:
-            e = local * K + slot
-            tl.store(out_ptr + (e * D)[:, None] + cv[None, :], acc_v, mask=m_v)
-            tl.store(out_ptr + (e * D)[:, None] + ct[None, :], acc_t, mask=m_t)
 
     @triton.jit
     def _bwd_dkv_gemm_kernel(pds_ptr, q_ptr, do_ptr, idx_ptr, out_ptr, row0, NKB, NCB, c_lo, c_hi, J, T, S, H, K, D,
@@ -556,62 +482,6 @@ if triton is not None:
             tl.atomic_add(out_ptr + (key * D)[:, None] + c[None, :], acc, mask=om, sem="relaxed")
         else:
             tl.store(out_ptr + ((local * K + slot) * D)[:, None] + c[None, :], acc, mask=om)
-
-    @triton.jit
-    def _bwd_dkv_gemm_cols_kernel(pds_ptr, q_ptr, do_ptr, lat_ptr, idx_ptr, out_ptr, dq_ptr, row0, NKB, T, S, H, K, D,
-                                  DV, BK: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, HP: tl.constexpr,
-                                  DQ: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr):
-        # `_bwd_dkv_gemm_kernel` with one program per (row, block of BK slots) walking the columns: its ds and p
-        # (all heads, padded to HP) are loaded once and stay in shared memory; per block of BN value columns
-        # dkv = ds·q + p·do, then the tail's BT-wide blocks dkv = ds·q. DQ: also dq's share of these slots,
-        # dsᵀ·kv over the same columns (the gathered latent), added into the fp32 [rows, H, D] buffer dq_ptr
-        pid = tl.program_id(0).to(tl.int64)
-        kb = pid % NKB
-        local = pid // NKB
-        row = row0 + local
-        slot = kb * BK + tl.arange(0, BK)
-        ix = tl.load(idx_ptr + row * K + slot, mask=slot < K, other=-1)
-        valid = (ix >= 0) & (ix < S)
-        kv_off = (row // T * S + tl.where(valid, ix, 0).to(tl.int64)) * D
-        hh = tl.arange(0, HP)
-        hm = hh < H
-        qh = row * H + hh
-        a_row = pds_ptr + (local * K + slot) * (2 * H)
-        am = valid[:, None] & hm[None, :]
-        ds = tl.load(a_row[:, None] + hh[None, :], mask=am, other=0.0)                          # [BK, HP]
-        p = tl.load(a_row[:, None] + H + hh[None, :], mask=am, other=0.0)
-        some = tl.max(valid.to(tl.int32), 0) > 0                                                # else: no work
-        for c0 in range(0, tl.where(some, DV, 0), BN):
-            c = c0 + tl.arange(0, BN)
-            cm = c < DV
-            qb = tl.load(q_ptr + (qh * D)[:, None] + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
-            dob = tl.load(do_ptr + (qh * DV)[:, None] + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
-            acc = _mm(p, dob, _mm(ds, qb, tl.zeros([BK, BN], tl.float32), F32), F32)
-            om = valid[:, None] & cm[None, :]
-            if ATOMIC:
-                tl.atomic_add(out_ptr + kv_off[:, None] + c[None, :], acc, mask=om, sem="relaxed")
-            else:
-                tl.store(out_ptr + ((local * K + slot) * D)[:, None] + c[None, :], acc, mask=om)
-            if DQ:
-                kv = tl.load(lat_ptr + kv_off[:, None] + c[None, :], mask=om, other=0.0)
-                tl.atomic_add(dq_ptr + ((local * H + hh) * D)[:, None] + c[None, :],
-                              _mm(tl.trans(ds), kv, tl.zeros([HP, BN], tl.float32), F32),
-                              mask=hm[:, None] & cm[None, :], sem="relaxed")
-        for c0 in range(DV, tl.where(some, D, DV), BT):
-            c = c0 + tl.arange(0, BT)
-            cm = c < D
-            qb = tl.load(q_ptr + (qh * D)[:, None] + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
-            acc = _mm(ds, qb, tl.zeros([BK, BT], tl.float32), F32)
-            om = valid[:, None] & cm[None, :]
-            if ATOMIC:
-                tl.atomic_add(out_ptr + kv_off[:, None] + c[None, :], acc, mask=om, sem="relaxed")
-            else:
-                tl.store(out_ptr + ((local * K + slot) * D)[:, None] + c[None, :], acc, mask=om)
-            if DQ:
-                kv = tl.load(lat_ptr + kv_off[:, None] + c[None, :], mask=om, other=0.0)
-                tl.atomic_add(dq_ptr + ((local * H + hh) * D)[:, None] + c[None, :],
-                              _mm(tl.trans(ds), kv, tl.zeros([HP, BT], tl.float32), F32),
-                              mask=hm[:, None] & cm[None, :], sem="relaxed")
 
     @triton.jit
     def _delta_heads(o_ptr, do_ptr, dlse_ptr, lse_ptr, qh, hm, DV, BC: tl.constexpr, HAS_DLSE: tl.constexpr):
@@ -739,78 +609,6 @@ if triton is not None:
                                           other=0.0)
                             acc = _mm(ds_b, q_c, acc, F32)
                         _dkv_out(out_ptr, kv_off, local, K, D, slot, ok, c, cm, acc, ATOMIC)
-
-    @triton.jit
-    def _bwd_pds_skewed_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, pds_ptr, out_ptr, row0, T, S,
-                               H, K, D, DV, scale, scale2, BK: tl.constexpr, BC: tl.constexpr, HA: tl.constexpr,
-                               HB: tl.constexpr, IB: tl.constexpr, HAS_DLSE: tl.constexpr, ATOMIC: tl.constexpr,
-                               F32: tl.constexpr):
-        # `pds_skewed`: `_bwd_pds_kernel` with DLAT and ONE_LOOP, its two passes over the columns merged across
-        # steps: step i's loop over the columns forms step i's scores and dp and, from the same q and do tiles,
-        # step i − 1's dlatent ([ds | p] of step i − 1 held over the loop), so that q and do are streamed once a
-        # step, not twice. One more pass after the last step adds its dlatent. Stores ds only.
-        local = tl.program_id(0).to(tl.int64)
-        row = row0 + local
-        idx_row = idx_ptr + row * K
-        ha = tl.arange(0, HA)
-        ma = ha < H
-        qa = row * H + ha
-        hb = HA + tl.arange(0, HB if HB > 0 else HA)
-        mb = hb < H
-        qb = row * H + hb
-        delta_a, lse2_a = _delta_heads(o_ptr, do_ptr, dlse_ptr, lse_ptr, qa, ma, DV, BC, HAS_DLSE)
-        delta_b, lse2_b = delta_a, lse2_a
-        if HB > 0:
-            delta_b, lse2_b = _delta_heads(o_ptr, do_ptr, dlse_ptr, lse_ptr, qb, mb, DV, BC, HAS_DLSE)
-        dt = pds_ptr.dtype.element_ty
-        k_end = _key_end(idx_row, 0, K, S, IB)
-        # the previous step's slots and [ds | p] (none before the first step: nothing valid, nothing added)
-        ok_p = tl.zeros([BK], tl.int1)
-        off_p = tl.zeros([BK], tl.int64)
-        slot_p = tl.arange(0, BK)
-        ds_pa = tl.zeros([BK, HA], dt)
-        p_pa = tl.zeros([BK, HA], dt)
-        ds_pb = tl.zeros([BK, HB if HB > 0 else HA], dt)
-        p_pb = tl.zeros([BK, HB if HB > 0 else HA], dt)
-        for k0 in range(0, k_end + BK, BK):     # one step past the last: its dlatent only
-            valid, kv_off = _gather_rows(row // T, idx_row, k0, k_end, S, D, BK)
-            s_a = tl.zeros([BK, HA], tl.float32)
-            dp_a = tl.zeros([BK, HA], tl.float32)
-            s_b = tl.zeros([BK, HB if HB > 0 else HA], tl.float32)
-            dp_b = tl.zeros([BK, HB if HB > 0 else HA], tl.float32)
-            for c0 in range(0, D, BC):
-                c = c0 + tl.arange(0, BC)
-                cm = c < D
-                vm = c < DV
-                kv = tl.load(lat_ptr + kv_off[:, None] + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
-                q_c = tl.load(q_ptr + (qa * D)[:, None] + c[None, :], mask=ma[:, None] & cm[None, :], other=0.0)
-                do_c = tl.load(do_ptr + (qa * DV)[:, None] + c[None, :], mask=ma[:, None] & vm[None, :], other=0.0)
-                s_a = _mm(kv, tl.trans(q_c), s_a, F32)
-                dp_a = _mm(kv, tl.trans(do_c), dp_a, F32)
-                acc = _mm(p_pa, do_c, _mm(ds_pa, q_c, tl.zeros([BK, BC], tl.float32), F32), F32)
-                if HB > 0:
-                    q_c = tl.load(q_ptr + (qb * D)[:, None] + c[None, :], mask=mb[:, None] & cm[None, :], other=0.0)
-                    do_c = tl.load(do_ptr + (qb * DV)[:, None] + c[None, :], mask=mb[:, None] & vm[None, :],
-                                   other=0.0)
-                    s_b = _mm(kv, tl.trans(q_c), s_b, F32)
-                    dp_b = _mm(kv, tl.trans(do_c), dp_b, F32)
-                    acc = _mm(p_pb, do_c, _mm(ds_pb, q_c, acc, F32), F32)
-                _dkv_out(out_ptr, off_p, local, K, D, slot_p, ok_p, c, cm, acc, ATOMIC)
-            slot = k0 + tl.arange(0, BK)
-            dst = pds_ptr + ((local * K + slot) * H)[:, None]
-            sm_ = (slot < K)[:, None]
-            p = tl.where(valid[:, None] & ma[None, :], tl.exp2(s_a * scale2 - lse2_a[None, :]), 0.0)
-            ds_pa = (p * (dp_a - delta_a[None, :]) * scale).to(dt)
-            p_pa = p.to(dt)
-            tl.store(dst + ha[None, :], ds_pa, mask=sm_ & ma[None, :])
-            if HB > 0:
-                p = tl.where(valid[:, None] & mb[None, :], tl.exp2(s_b * scale2 - lse2_b[None, :]), 0.0)
-                ds_pb = (p * (dp_b - delta_b[None, :]) * scale).to(dt)
-                p_pb = p.to(dt)
-                tl.store(dst + hb[None, :], ds_pb, mask=sm_ & mb[None, :])
-            ok_p = valid & (slot >= 0)
-            off_p = kv_off
-            slot_p = slot
 
     @triton.jit
     def _dkv_out(out_ptr, kv_off, local, K, D, slot, ok, c, cm, acc, ATOMIC: tl.constexpr):
@@ -986,44 +784,28 @@ class BwdConfig:
     dkv_block_h: int = 32
     """Heads per step of the dkv kernel's loop over all heads (64 needs more shared memory than an H200 has at
     576 / 512 widths: q and do are staged in two layouts each)."""
-    fused_dkv: bool = False
-    """The dq kernel adds each head tile's dlatent share atomically instead (no dkv kernel: 1/1.4 the FLOPs,
-    as many atomics as head tiles); ignored when deterministic."""
     slot_major: bool = False
     """Run `_bwd_dq_kernel_sm`: s^T, dp^T, ds^T [block_k, heads] with the slots on the MMA's M side and
     dq^T += kv^T·ds^T, q^T, do^T and ds^T as shared-memory B operands (wgmma for a 32-head tile once block_k
     >= 64: wgmma's M is 64 rows a warpgroup, more than a 32-head tile has)."""
-    dkv_slot_major: bool = False
-    """Run `_bwd_dkv_kernel_sm`: the dkv kernel with the slots on M and q, do interleaved in one tile, so that
-    scores and dp are one dot and dsᵀ q_v + pᵀ do another (K = 2·dkv_block_h). dkv_block_k = 64 then runs on
-    wgmma at 8 warps (the default kernel spills 12 KB a thread there)."""
     dkv_gemm: bool = False
     """dlatent without recomputing the scores: the dq kernels also store ds and p (q's dtype, a chunk of queries
     at a time: `gemm_rows`, or by `PDS_CHUNK_ELEMENTS`) and `_bwd_dkv_gemm_kernel` forms [ds | p]·[q; do] from
     them, the minimal FLOPs of a backward (2·(3·D + 2·d_v) per head and slot) for a buffer round trip of
-    2·H·2 bytes per slot; replaces the dkv kernel (`dkv_block_*`, `dkv_slot_major` unused); ignored with
-    `fused_dkv`."""
+    2·H·2 bytes per slot; replaces the dkv kernel (`dkv_block_*` unused)."""
     gemm_block_k: int = 64
     """Slots per program of the dkv GEMM (its M)."""
     gemm_block_n: int = 128
     """Latent columns per program of the dkv GEMM (the tail, D − d_v columns, has programs of its own)."""
     gemm_block_j: int = 64
     """Stacked heads per step of the dkv GEMM (its K: 2·H for the value columns, H for the tail)."""
-    gemm_cols: bool = False
-    """Run `_bwd_dkv_gemm_cols_kernel`: one program per (query, block of `gemm_block_k` slots) walking the
-    columns, its ds and p (all heads, padded to a power of two) held in shared memory: each ds, p element is
-    read once, q and do once per slot block (`gemm_block_j` unused)."""
-    gemm_cols_dq: bool = False
-    """With `gemm_cols` (and not deterministic): the dq kernels only store ds and p, and the walk over the
-    columns also adds dq's share of its slots, dsᵀ·kv, by fp32 atomics into a [rows, H, D] buffer (gathering
-    each selected latent row once for all heads)."""
     gemm_dq: bool = False
     """Run `_bwd_dkv_dq_gemm_kernel`: one program per (query, block of `gemm_block_n` latent columns) walking the
     query's slots `gemm_block_k` at a time, adding dlatent = [ds | p]·[q; do] as `_bwd_dkv_gemm_kernel` does
     (unless `pds_dlat` added it already) and forming dq = dsᵀ·kv over its columns in registers, written once
     (no atomics): the dq kernels (or `_bwd_pds_kernel`) then compute and store ds and p only (no dq accumulator,
     no dq dot), and each selected latent row is gathered once more for all heads, column block by column block
-    (`gemm_block_j`, `gemm_cols` unused)."""
+    (`gemm_block_j` unused)."""
     gemm_dq_blocks: int = 1
     """With `gemm_dq`: column blocks per program (1 to 3), each with its own held q, do and dq accumulator, sharing
     the step's loads of ds and p (the buffer is read cdiv(D, gemm_block_n · gemm_dq_blocks) times, not once per
@@ -1040,10 +822,6 @@ class BwdConfig:
     pds_one_loop: bool = False
     """`_bwd_pds_kernel` walks all columns in one loop (per pass) instead of the values and then the tail: fewer
     pipelined loops a step, for dp's (and, with `pds_dlat`, p·do's) tail terms multiplied by zeros."""
-    pds_skewed: bool = False
-    """With `pds_dlat`: run `_bwd_pds_skewed_kernel`, the two passes merged across steps (a step's scores and the
-    previous step's dlatent from the same q and do tiles, `pds_block_c` columns at a time): q and do streamed once
-    a step instead of twice (`pds_one_loop`, `gemm_block_n` unused there)."""
     pds_block_c: int = 64
     """Latent columns per step of `_bwd_pds_kernel`'s inner loop."""
     gemm_rows: int | None = None
@@ -1270,8 +1048,6 @@ def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
         return dq.zero_(), dlat.to(latent.dtype)
     delta = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     f32 = _f32_dots(q.dtype)
-    fused = cfg.fused_dkv and not deterministic
-    gemm = cfg.dkv_gemm and not fused
 
     def dq_pass(r0: int, r1: int, pds: Tensor | None, with_dq: bool = True, out: Tensor | None = None):
         """The dq kernels over the queries [r0, r1) (with `pds`: storing their ds and p there; without `with_dq`
@@ -1280,13 +1056,6 @@ def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
             HA, HB = _head_groups(H)
             wide = max(16, triton.next_power_of_2(D))
             fuse = cfg.pds_dlat and cfg.gemm_dq      # dlatent here (else by the GEMM after)
-            if fuse and cfg.pds_skewed:
-                _bwd_pds_skewed_kernel[(r1 - r0,)](
-                    q, latent, indices, o, lse, do, lse if dlse is None else dlse, pds, dlat if out is None else out,
-                    r0, T, S, H, K, D, d_v, scale, scale * LOG2E, BK=cfg.block_k, BC=min(cfg.pds_block_c, wide),
-                    HA=HA, HB=HB, IB=_index_block(K), HAS_DLSE=dlse is not None, ATOMIC=not deterministic, F32=f32,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-                return
             _bwd_pds_kernel[(r1 - r0,)](
                 q, latent, indices, o, lse, do, lse if dlse is None else dlse, pds, dlat if out is None else out, r0,
                 T, S, H, K, D, d_v, scale, scale * LOG2E, BK=cfg.block_k, BC=min(cfg.pds_block_c, wide), HA=HA,
@@ -1296,32 +1065,29 @@ def sparse_mla_bwd_launch(q: Tensor, latent: Tensor, indices: Tensor, o: Tensor,
             return
         for h0, bh, nt in _head_launches(cfg.heads):
             (_bwd_dq_kernel_sm if cfg.slot_major else _bwd_dq_kernel)[((r1 - r0) * nt,)](
-                q, latent, indices, o, lse, do, lse if dlse is None else dlse, dq, delta, dlat,
+                q, latent, indices, o, lse, do, lse if dlse is None else dlse, dq, delta,
                 dq if pds is None else pds, r0, T, S, H, K, D, d_v, h0, nt, scale, scale * LOG2E, BH=bh,
-                BK=cfg.block_k, DVP=DVP, DTP=DTP, IB=_index_block(K), HAS_DLSE=dlse is not None, FUSED=fused,
+                BK=cfg.block_k, DVP=DVP, DTP=DTP, IB=_index_block(K), HAS_DLSE=dlse is not None,
                 PDS=pds is not None, DQ=with_dq, F32=f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     warps = dict(num_warps=cfg.num_warps if cfg.dkv_num_warps is None else cfg.dkv_num_warps,
                  num_stages=cfg.num_stages if cfg.dkv_num_stages is None else cfg.dkv_num_stages)
-    if gemm:
+    if cfg.dkv_gemm:
         _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, deterministic, chunk_rows, dq_pass)
         return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
     dq_pass(0, R, None)
-    if fused:
-        return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
     NKB = triton.cdiv(K, cfg.dkv_block_k)
     dkv = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DVP, DTP=DTP, F32=f32, **warps)
-    kernel = _bwd_dkv_kernel_sm if cfg.dkv_slot_major else _bwd_dkv_kernel
     if not deterministic:
-        kernel[(R * NKB,)](q, latent, indices, lse, do, delta, dlat, 0, NKB, T, S, H, K, D, d_v, scale,
-                           scale * LOG2E, ATOMIC=True, **dkv)
+        _bwd_dkv_kernel[(R * NKB,)](q, latent, indices, lse, do, delta, dlat, 0, NKB, T, S, H, K, D, d_v, scale,
+                                    scale * LOG2E, ATOMIC=True, **dkv)
     else:
         rows = chunk_rows or max(1, DKV_CHUNK_ELEMENTS // (K * D))
         for r0 in range(0, R, rows):
             r1 = min(R, r0 + rows)
             part = torch.empty((r1 - r0) * K, D, dtype=torch.float32, device=q.device)
-            kernel[((r1 - r0) * NKB,)](q, latent, indices, lse, do, delta, part, r0, NKB, T, S, H, K, D, d_v, scale,
-                                       scale * LOG2E, ATOMIC=False, **dkv)
+            _bwd_dkv_kernel[((r1 - r0) * NKB,)](q, latent, indices, lse, do, delta, part, r0, NKB, T, S, H, K, D,
+                                                d_v, scale, scale * LOG2E, ATOMIC=False, **dkv)
             _reduce_by_key(part, indices, r0, r1, S, dlat)
     return dq, dlat if latent.dtype == torch.float32 else dlat.to(latent.dtype)
 
@@ -1330,8 +1096,8 @@ def _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, determ
     """dlatent from stored ds and p (`BwdConfig.dkv_gemm`): per chunk of queries, the dq kernels write ds and p of
     every visited slot to a [rows, K, 2·H] buffer in q's dtype (the values the recomputing dkv kernels round to
     before their dots), then `_bwd_dkv_gemm_kernel` forms [ds | p]·[q; do] over the value columns and ds·q over
-    the tail (or `_bwd_dkv_gemm_cols_kernel` both, with `gemm_cols_dq` dq's share too), added atomically (or,
-    deterministic, written per slot and reduced by key)."""
+    the tail (or `_bwd_dkv_dq_gemm_kernel` that and dq, with `gemm_dq`), added atomically (or, deterministic,
+    written per slot and reduced by key)."""
     B, T, H, D = q.shape
     S, K = latent.shape[1], indices.shape[-1]
     R = B * T
@@ -1343,8 +1109,6 @@ def _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, determ
         budget -= budget % sm_count(q.device)
     rows = chunk_rows or cfg.gemm_rows or budget
     pds = q.new_empty(min(rows, R) * K * width)
-    dq_atomic = cfg.gemm_cols and cfg.gemm_cols_dq and not deterministic and not cfg.gemm_dq
-    dq32 = torch.empty(min(rows, R), H, D, dtype=torch.float32, device=q.device) if dq_atomic else None
     BK = cfg.gemm_block_k
     NKB = triton.cdiv(K, BK)
     DVP, DTP = _widths(D, d_v)
@@ -1354,7 +1118,7 @@ def _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, determ
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         out = dlat if not deterministic else torch.empty((r1 - r0) * K, D, dtype=torch.float32, device=q.device)
-        dq_pass(r0, r1, pds, not (dq_atomic or cfg.gemm_dq), out)
+        dq_pass(r0, r1, pds, not cfg.gemm_dq, out)
         if cfg.gemm_dq:
             BN = min(cfg.gemm_block_n, max(16, triton.next_power_of_2(D)))
             HA, HB = _head_groups(H)
@@ -1364,15 +1128,6 @@ def _bwd_via_gemm(q, latent, indices, do, dq, dlat, d_v, cfg, warps, f32, determ
                 pds, q, do, latent, indices, out, dq, r0, NCB, T, S, H, K, D, d_v, BK=BK, BN=BN, NSUB=nsub, HA=HA,
                 HB=HB, IB=_index_block(K), DLAT=not (cfg.pds_all_heads and cfg.pds_dlat), ATOMIC=not deterministic,
                 F32=f32, **warps)
-        elif cfg.gemm_cols:
-            if dq_atomic:
-                dq32.zero_()
-            _bwd_dkv_gemm_cols_kernel[((r1 - r0) * NKB,)](
-                pds, q, do, latent, indices, out, dq32 if dq_atomic else dq, r0, NKB, T, S, H, K, D, d_v, BK=BK,
-                BN=min(cfg.gemm_block_n, DVP), BT=min(cfg.gemm_block_n, DTP), HP=max(16, triton.next_power_of_2(H)),
-                DQ=dq_atomic, ATOMIC=not deterministic, F32=f32, **warps)
-            if dq_atomic:
-                dq.view(R, H, D)[r0:r1] = dq32[:r1 - r0]
         else:
             for c_lo, c_hi, bn, J in parts:
                 ncb = triton.cdiv(c_hi - c_lo, bn)

@@ -140,11 +140,10 @@ def _bwd_dq_path():
 def sparse_dq():
     cfg = _bwd_dq_path()
     ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, o_ptr=BF, lse_ptr=F32, do_ptr=BF, dlse_ptr=F32, dq_ptr=BF,
-                delta_ptr=F32, dlat_ptr=F32, pds_ptr=BF)
+                delta_ptr=F32, pds_ptr=BF)
     scalars = dict(row0=0, T=T, S=T, H=H, K=K, D=D, DV=DV, h_start=0, NT=len(cfg.heads), scale=0.1, scale2=0.1)
-    consts = dict(BH=cfg.heads[0], BK=cfg.block_k, DVP=DV, DTP=64, IB=256, HAS_DLSE=False, FUSED=cfg.fused_dkv,
-                  PDS=cfg.dkv_gemm and not cfg.fused_dkv,
-                  DQ=not (cfg.dkv_gemm and cfg.gemm_cols and cfg.gemm_cols_dq), F32=False)
+    consts = dict(BH=cfg.heads[0], BK=cfg.block_k, DVP=DV, DTP=64, IB=256, HAS_DLSE=False, PDS=cfg.dkv_gemm, DQ=True,
+                  F32=False)
     kernel = sm._bwd_dq_kernel_sm if cfg.slot_major else sm._bwd_dq_kernel
     yield f"sparse dq {cfg}", report(kernel, ptrs, scalars, consts, num_warps=cfg.num_warps,
                                      num_stages=cfg.num_stages)
@@ -159,7 +158,7 @@ def sparse_dkv():
     ptrs = dict(q_ptr=BF, lat_ptr=BF, idx_ptr=I32, lse_ptr=F32, do_ptr=BF, delta_ptr=F32, out_ptr=F32)
     scalars = dict(row0=0, NKB=K // cfg.dkv_block_k, T=T, S=T, H=H, K=K, D=D, DV=DV, scale=0.1, scale2=0.1)
     consts = dict(BK=cfg.dkv_block_k, BH=cfg.dkv_block_h, DVP=DV, DTP=64, ATOMIC=True, F32=False)
-    kernel = sm._bwd_dkv_kernel_sm if cfg.dkv_slot_major else sm._bwd_dkv_kernel
+    kernel = sm._bwd_dkv_kernel
     warps = dict(num_warps=cfg.dkv_num_warps or cfg.num_warps, num_stages=cfg.dkv_num_stages or cfg.num_stages)
     yield f"sparse dlatent (recomputing) {cfg}", report(kernel, ptrs, scalars, consts, **warps)
     # `dkv_gemm`: [ds | p]·[q; do] over the value columns, ds·q over the tail
@@ -170,14 +169,6 @@ def sparse_dkv():
         consts = dict(BK=cfg.gemm_block_k, BN=bn, BJ=cfg.gemm_block_j, ATOMIC=True, F32=False)
         yield f"sparse dlatent GEMM, columns {c_lo}..{c_hi}", report(sm._bwd_dkv_gemm_kernel, ptrs, scalars, consts,
                                                                      **warps)
-    # `gemm_cols` / `gemm_cols_dq`: a slot block's ds, p held, the columns walked (without and with dq's atomics)
-    ptrs = dict(pds_ptr=BF, q_ptr=BF, do_ptr=BF, lat_ptr=BF, idx_ptr=I32, out_ptr=F32, dq_ptr=F32)
-    scalars = dict(row0=0, NKB=K // cfg.gemm_block_k, T=T, S=T, H=H, K=K, D=D, DV=DV)
-    for dq in (False, True):
-        consts = dict(BK=cfg.gemm_block_k, BN=cfg.gemm_block_n, BT=min(cfg.gemm_block_n, 64), HP=128, DQ=dq,
-                      ATOMIC=True, F32=False)
-        yield f"sparse dlatent GEMM walking the columns{' + dq atomics' if dq else ''}", report(
-            sm._bwd_dkv_gemm_cols_kernel, ptrs, scalars, consts, **warps)
     # `gemm_dq`: a column block walking the slots, dlatent and dq from ds, p (the dq kernel without its dq: DQ=False)
     ptrs = dict(pds_ptr=BF, q_ptr=BF, do_ptr=BF, lat_ptr=BF, idx_ptr=I32, out_ptr=F32, dq_ptr=BF)
     ha, hb = sm._head_groups(H)
@@ -198,10 +189,6 @@ def sparse_dkv():
         yield (f"sparse ds, p{' + dlatent' if dlat else ''} of all heads, {bk} slots, {w} warps, {st} stages"
                f"{', one loop' if one else ''}", report(sm._bwd_pds_kernel, ptrs, scalars, consts, num_warps=w,
                                                       num_stages=st))
-    for bc, st in ((64, 3), (32, 4)):       # `pds_skewed`
-        consts = dict(BK=128, BC=bc, HA=ha, HB=hb, IB=256, HAS_DLSE=False, ATOMIC=True, F32=False)
-        yield f"sparse ds, p + dlatent skewed, 128 slots, {bc} columns, 8 warps, {st} stages", report(
-            sm._bwd_pds_skewed_kernel, ptrs, scalars, consts, num_warps=8, num_stages=st)
 
 
 KDA_N, KDA_C, KDA_D = T // 64, 64, 128     # K3's chunked KDA: chunks of 64, K = V = 128

@@ -101,12 +101,6 @@ def bwd_variants(now):
         "pdsd1-g3": p(pds_dlat=True, pds_one_loop=True, dkv_num_stages=3),
         "pdsd1-x3-g3": p(pds_dlat=True, pds_one_loop=True, gemm_dq_blocks=3, dkv_num_stages=3),
         "pdsd1-rows2640": p(pds_dlat=True, pds_one_loop=True, gemm_rows=2640),
-        # `pds_skewed`: the two passes merged across steps (q and do streamed once a step)
-        "skew": p(pds_dlat=True, pds_one_loop=True, pds_skewed=True),
-        "skew-c32": p(pds_dlat=True, pds_one_loop=True, pds_skewed=True, pds_block_c=32, num_stages=4),
-        "skew-c32-x3": p(pds_dlat=True, pds_one_loop=True, pds_skewed=True, pds_block_c=32, num_stages=4,
-                         gemm_dq_blocks=3),
-        "skew-c32-s3": p(pds_dlat=True, pds_one_loop=True, pds_skewed=True, pds_block_c=32),
     }
 
 
@@ -143,15 +137,10 @@ def main():
         base = B(t32, num_warps=4)
         r = functools.partial(dataclasses.replace, base)
         dq64 = dict(block_k=64, slot_major=True)
-        dkv64 = dict(dkv_slot_major=True, dkv_block_k=64, dkv_block_h=32, dkv_num_warps=8)
         g = functools.partial(r, **dq64, dkv_gemm=True)     # dlatent from the stored ds, p (no recomputed scores)
         now = sm.bwd_config(1, T, H, k, 576, DV, dev)
-        c = functools.partial(dataclasses.replace, ROUND3, gemm_cols=True)  # ds, p held, the columns walked
-        configs = [now, ROUND3, r(**dq64, **dkv64), c(), c(gemm_cols_dq=True), g(),
-                   c(dkv_num_warps=8), c(gemm_block_k=64), c(dkv_num_stages=3), c(gemm_block_k=64, gemm_rows=2048),
-                   c(gemm_cols_dq=True, dkv_num_warps=8), c(gemm_cols_dq=True, gemm_block_k=64),
-                   c(gemm_cols_dq=True, slot_major=False, block_k=32), c(gemm_cols_dq=True, num_stages=3),
-                   c(gemm_cols_dq=True, gemm_rows=2048)]
+        configs = [now, ROUND3, r(**dq64, dkv_block_k=32, dkv_block_h=32), g(), g(gemm_block_k=64),
+                   g(dkv_num_stages=3), g(gemm_block_k=64, gemm_rows=2048)]
         lo, hi = (int(x) if x else None for x in a.bwd_rows.split(":"))
         configs = configs[lo:hi]
         if a.bwd_variants is not None:
