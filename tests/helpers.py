@@ -135,12 +135,19 @@ def undocumented_fields(cls) -> list[str]:
     return missing
 
 
-class LargestTensor:
-    """A context manager that records the largest tensor any op creates while it is active: `.numel` (elements)
-    and `.bytes` (the "nothing of size T×S" checks)."""
+class OpOutputs:
+    """A context manager that records, for every op run while it is active, the op and the shape of each tensor
+    it returns: `.outputs` [(op, shape)], `.shapes` the shapes alone."""
 
     def __init__(self):
-        self.numel = self.bytes = 0
+        self.outputs = []
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [shape for _, shape in self.outputs]
+
+    def _record(self, func, out: torch.Tensor) -> None:
+        self.outputs.append((func, tuple(out.shape)))
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -151,8 +158,7 @@ class LargestTensor:
                 out = func(*args, **(kwargs or {}))
                 for o in (out if isinstance(out, (tuple, list)) else (out,)):
                     if isinstance(o, torch.Tensor):
-                        record.numel = max(record.numel, o.numel())
-                        record.bytes = max(record.bytes, o.numel() * o.element_size())
+                        record._record(func, o)
                 return out
         self._mode = Mode()
         self._mode.__enter__()
@@ -160,6 +166,19 @@ class LargestTensor:
 
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
+
+
+class LargestTensor(OpOutputs):
+    """`OpOutputs` keeping only the largest tensor any op creates: `.numel` (elements) and `.bytes` (the "nothing
+    of size T×S" checks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = self.bytes = 0
+
+    def _record(self, func, out: torch.Tensor) -> None:
+        self.numel = max(self.numel, out.numel())
+        self.bytes = max(self.bytes, out.numel() * out.element_size())
 
 
 def assert_backend_equals_gather(backend: "kimi.Backend", **cfg_changes) -> None:

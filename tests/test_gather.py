@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import kimi
-from helpers import drop_indexer, rel_err, tiny, without_indexer
+from helpers import OpOutputs, drop_indexer, rel_err, tiny, without_indexer
 from kimi import ops
 from kimi.params import tree_items, unflatten
 from kimi.config import KDAConfig
@@ -93,21 +92,6 @@ def test_max_document_len_is_checked(params64):
         kimi.forward(params64, ids, CFG, GATHER, cache=cache, max_document_len=5)
 
 
-class _Shapes(TorchDispatchMode):
-    """Records the shape of every op's outputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for o in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(o, torch.Tensor):
-                self.shapes.append(tuple(o.shape))
-        return out
-
-
 def _square(shapes, T):
     """The shapes with two dimensions of at least T (T exceeds every model width here), or one and at least T²
     elements (a T×T tensor with its dimensions merged)."""
@@ -128,7 +112,7 @@ def test_no_tensor_of_size_t_by_t(short):
     kw = dict(document_ids=doc, head=False, max_document_len=16 if short else None)
     for backend, expect_square in ((GATHER, False), (EAGER, True)):
         leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in tree_items(params)}
-        with _Shapes() as mode:
+        with OpOutputs() as mode:
             h = kimi.forward(unflatten(leaves), ids, cfg, backend, **kw)
             h.square().mean().backward()
         assert bool(_square(mode.shapes, T)) == expect_square, _square(mode.shapes, T)[:5]

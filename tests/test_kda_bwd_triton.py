@@ -18,9 +18,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.library import opcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import rel_err, resets
+from helpers import OpOutputs, rel_err, resets
 from test_kda_triton import CASES, DEVICE, F64, FP32_TOL, GATES, _call, _f64, _inputs, _k3_inputs
 from kimi.ops import delta_rule
 from kimi.ops.registry import triton
@@ -194,19 +193,6 @@ def test_op_keeps_the_forward_scratch_only_for_a_gradient(monkeypatch):
             dict(scale=0.25))
 
 
-class _Zeros(TorchDispatchMode):
-    """The shapes of the zero-filled tensors created while it is active."""
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default, torch.ops.aten.new_zeros.default):
-            self.shapes.append(tuple(out.shape))
-        return out
-
-
 def test_op_backward_gets_no_zeros_for_the_scratch(monkeypatch):
     """The scratch the forward keeps is an output of `kimi::_kda_triton_fwd` without a gradient: autograd must not
     hand its backward a zero tensor for each (as much memory again as the scratch); with o unused (the final state
@@ -219,9 +205,12 @@ def test_op_backward_gets_no_zeros_for_the_scratch(monkeypatch):
     for outs, gouts in (((0, 1), (do, dsN)), ((1,), (dsN,)), ((0, 1), (torch.zeros_like(do), dsN))):
         leaves = [x[n].detach().clone().requires_grad_() for n in GRADS]
         res = torch.ops.kimi.kda_triton(*leaves, None, scale=0.25)
-        with _Zeros() as z:
+        with OpOutputs() as ops:
             torch.autograd.backward([res[i] for i in outs], gouts)
-        assert not scratch & set(z.shapes), z.shapes
+        zeros = {shape for op, shape in ops.outputs if op in (torch.ops.aten.zeros.default,
+                                                              torch.ops.aten.zeros_like.default,
+                                                              torch.ops.aten.new_zeros.default)}
+        assert not scratch & zeros, zeros
         grads.append([t.grad for t in leaves])
     for a, b in zip(grads[1], grads[2]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
