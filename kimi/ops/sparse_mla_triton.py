@@ -57,12 +57,11 @@ read back to the host, so the launch can be captured in a CUDA graph.
   16-bit). `gemm_dq`: one program per (query, block of columns) walking the query's slots instead, adding dkv as
   above and forming dq = dsᵀ·kv over its columns in registers (written once, no atomics; each selected row
   gathered once more, for all heads); the dq kernels then only compute and store ds and p, without the dq
-  accumulator that made them spill. `pds_all_heads`: ds and p from
-  `_bwd_pds_kernel` instead, one program per query for all heads (each selected row gathered once, not once
-  per head tile), each step of slots a GEMM main loop over the latent's columns with the gathered rows, q and do
-  streamed through shared memory; `pds_dlat`: that kernel also adds dlatent in a second pass over the columns
-  (ds and p the register operand) and the GEMM forms dq only. That last arrangement is the 16-bit default up to
-  128 heads.
+  accumulator that made them spill. `pds_all_heads`: ds and p from `_bwd_pds_kernel` instead, one program per
+  query for all heads (each selected row gathered once, not once per head tile), each step of slots a GEMM main
+  loop over the latent's columns with the gathered rows, q and do streamed through shared memory; `pds_dlat`:
+  that kernel also adds dlatent in a second pass over the columns (ds and p the register operand) and the GEMM
+  forms dq only. That last arrangement is the 16-bit default up to 128 heads.
 - `deterministic=True`: the dkv kernel writes each (query, slot)'s row to an fp32 buffer instead (queries in
   chunks of at most 2^28 elements, as the reference's blocks), the chunk's slots are sorted by key (stable), and
   `_dkv_reduce_kernel` (one program per latent row) sums its run in that fixed order and adds it to the row;
