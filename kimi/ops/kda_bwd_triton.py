@@ -457,8 +457,9 @@ def saved_layout(q: Tensor, v: Tensor, chunk_size: int = 64) -> dict[str, tuple[
     sc = torch.bfloat16 if s16 and V3["scratch"] == "16" else torch.float32
     st = torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32
     f32 = torch.float32
-    return dict(w=((R, N, C, K), sc), qd=((R, N, C, K), sc), kd=((R, N, C, K), sc), u=((R, N, C, V), f32),
-                A=((R, N, C, C), f32), d=((R, N, K), f32), M=((R, N, C, C), f32), states=((R, N, K, V), st))
+    return dict(w=((R, N, C, K), sc), qd=((R, N, C, K), sc), kd=((R, N, C, K), sc),
+                u=((R, N, C, V), sc if V3["u16"] else f32), A=((R, N, C, C), sc if V3["a16"] else f32),
+                d=((R, N, K), f32), M=((R, N, C, C), f32), states=((R, N, K, V), st))
 
 
 def kda_chunk_fwd_saving(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

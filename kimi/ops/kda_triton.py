@@ -145,13 +145,13 @@ if triton is not None:
         return t, valid, tok, rst, tl.cumsum(rst, 0), tl.sum(rst, 0)
 
     @triton.jit
-    def _state_kernel(w_ptr, u_ptr, kd_ptr, d_ptr, s0_ptr, sN_ptr, h_ptr, K, V, N, C: tl.constexpr,
+    def _state_kernel(w_ptr, u_ptr, kd_ptr, d_ptr, s0_ptr, sN_ptr, h_ptr, U_ptr, K, V, N, C: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, S0: tl.constexpr, HAS_U: tl.constexpr, STORE: tl.constexpr,
                       STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
         # program (row bh, block of BV state columns); the state's K rows and BV columns stay in fp32 registers
         # through all chunks. S0: 0 zeros, 1 loaded from s0 [B·H, K, V], 2 the identity (the transition, V = K).
         # HAS_U False: u = 0. STORE: the state entering every chunk into h [B·H, N, K, V] (in its dtype), and
-        # U_n over u_n (what `_output_kernel` and the backward read).
+        # U_n into U (u itself or its own buffer, in its dtype: what `_output_kernel` and the backward read).
         bh = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, C)
         kk = tl.arange(0, BK)
@@ -173,9 +173,10 @@ if triton is not None:
             w = tl.load(w_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             U = -_dot(w, S, tl.zeros([C, BV], dtype=tl.float32), STATE, DT, EMULATE)
             if HAS_U:
-                U += tl.load(u_ptr + rws[:, None] * V + vv[None, :], mask=mv[None, :], other=0.0)
-            if STORE:
-                tl.store(u_ptr + rws[:, None] * V + vv[None, :], U, mask=mv[None, :])
+                U += tl.load(u_ptr + rws[:, None] * V + vv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
+            if STORE:   # U_n in U's dtype; the update below takes the fp32 U
+                tl.store(U_ptr + rws[:, None] * V + vv[None, :], _to16(U, U_ptr.dtype.element_ty, EMULATE),
+                         mask=mv[None, :])
             kd = tl.load(kd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             dn = tl.load(d_ptr + (bh * N + n) * K + kk, mask=mk, other=0.0)
             S = dn[:, None] * S + _dot(tl.trans(kd), U, tl.zeros([BK, BV], dtype=tl.float32), STATE, DT, EMULATE)
@@ -230,10 +231,10 @@ if triton is not None:
     @triton.jit
     def _output_kernel(qd_ptr, A_ptr, U_ptr, h_ptr, o_ptr, T, H, K, V, N, C: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                       QS: tl.constexpr = ""):
+                       QS: tl.constexpr = "", AU: tl.constexpr = ""):
         # program (chunk n, row bh, block of BV output columns): O_n = q̃_n S_n + Aqk_n U_n from the state pass's
         # S_n (h [B·H, N, K, V]) and U_n; chunk-parallel. QS "16": q̃_n S_n with 16-bit operands (both stored
-        # in 16 bits: the same products as TF32's, at the 16-bit rate); "": STATE's.
+        # in 16 bits: the same products as TF32's, at the 16-bit rate); "": STATE's. AU: the same for Aqk_n U_n.
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
@@ -255,7 +256,10 @@ if triton is not None:
                 o = _dot(qd, S, o, STATE, DT, EMULATE)
         A = tl.load(A_ptr + rws[:, None] * C + c[None, :])
         U = tl.load(U_ptr + rws[:, None] * V + vv[None, :], mask=mv[None, :], other=0.0)
-        o = _dot(A, U, o, STATE, DT, EMULATE)
+        if AU == "16":
+            o = _dot(A, U, o, "16", DT, EMULATE)
+        else:
+            o = _dot(A, U, o, STATE, DT, EMULATE)
         t = n * C + c
         tl.store(o_ptr + ((b * T + t) * H + h)[:, None] * V + vv[None, :], _to16(o, o_ptr.dtype.element_ty, EMULATE),
                  mask=(t < T)[:, None] & mv[None, :])
@@ -305,7 +309,7 @@ if triton is not None:
         same = seg_a[:, None] == seg[None, :]
         a_rows = (bh * N + n) * C + ra
         tl.store(A_ptr + a_rows[:, None] * C + rows[None, :],
-                 tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0))
+                 _to16(tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0), A_ptr.dtype.element_ty, EMULATE))
         tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
                  tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
         if DIAG:
@@ -399,7 +403,7 @@ if triton is not None:
             mv = vv[None, :] < V
             v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
             u = _dot(Mi, beta[:, None] * v, tl.zeros([C, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
-            tl.store(u_ptr + out[:, None] * V + vv[None, :], u, mask=mv)
+            tl.store(u_ptr + out[:, None] * V + vv[None, :], _to16(u, u_ptr.dtype.element_ty, EMULATE), mask=mv)
 
     @triton.jit
     def _intra3_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr,
@@ -518,7 +522,7 @@ if triton is not None:
                 tl.store(d_ptr + (bh * N + n) * K + kk, dn, mask=kk < K)
         same = seg_a[:, None] == seg_a[None, :]
         tl.store(A_ptr + a_rows[:, None] * C + ra[None, :],
-                 tl.where(same & (lr[None, :] <= lr[:, None]), d_qk * scale, 0.0))
+                 _to16(tl.where(same & (lr[None, :] <= lr[:, None]), d_qk * scale, 0.0), A_ptr.dtype.element_ty, EMULATE))
         nil = tl.where(same & (lr[None, :] < lr[:, None]), d_kk, 0.0) * beta_a[:, None]
         inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
         pw = nil
@@ -550,10 +554,11 @@ if triton is not None:
                 s_kk = _dot(k_a * e, tl.trans(kp), s_kk, PAIR, DT, EMULATE)
             seg_b = tl.sum(tl.where(rows[None, :] <= rb[:, None], rst[None, :], 0), 1)
             same = seg_a[:, None] == seg_b[None, :]
-            tl.store(A_ptr + a_rows[:, None] * C + rb[None, :], tl.where(same, s_qk * scale, 0.0))
+            tl.store(A_ptr + a_rows[:, None] * C + rb[None, :],
+                     _to16(tl.where(same, s_qk * scale, 0.0), A_ptr.dtype.element_ty, EMULATE))
             tl.store(M_ptr + a_rows[:, None] * C + rb[None, :], tl.where(same, s_kk, 0.0) * beta_a[:, None])
         for b in range(a + 1, NB):   # zeros above the diagonal blocks (the output pass reads Aqk whole)
-            tl.store(A_ptr + a_rows[:, None] * C + (b * BC + lr)[None, :], zb)
+            tl.store(A_ptr + a_rows[:, None] * C + (b * BC + lr)[None, :], zb.to(A_ptr.dtype.element_ty))
 
     @triton.jit
     def _gamma_kernel(g_ptr, r_ptr, T, H, K, N, C: tl.constexpr, BK: tl.constexpr):
@@ -568,13 +573,16 @@ if triton is not None:
         tl.store(r_ptr + out[:, None] * K + kk[None, :], tl.cumsum(g.to(tl.float32), 0), mask=(kk < K)[None, :])
 
     @triton.jit
-    def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, T, H, K, N, scale,
-                        C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
-                        PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+    def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, T, H, K, N,
+                        scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
+                        PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
+                        QKD: tl.constexpr = False):
         # program (chunk n × query block a, row bh), `V3["strips"] = "v6"` (16-bit inputs): `_strip3`'s strip with
         # DIAG, its anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r) instead of scans:
         # queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in block a). A
         # difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands' 16-bit rounding.
+        # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
+        # only w and u).
         NB: tl.constexpr = C // BC
         n = tl.program_id(0) // NB
         a = tl.program_id(0) % NB
@@ -606,10 +614,20 @@ if triton is not None:
             k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
             s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
+            if QKD:
+                g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
+                qd = tl.where((seg_a == 0)[:, None], scale * q_a * tl.exp(gam_a), 0.0)
+                kd = tl.where((seg_a == n_seg)[:, None], k_a * tl.exp(g_end[None, :] - gam_a), 0.0)
+                tl.store(qd_ptr + a_rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE),
+                         mask=mk)
+                tl.store(kd_ptr + a_rows[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE),
+                         mask=mk)
+                if a == NB - 1:
+                    tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
         beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
         same = seg_a[:, None] == seg[None, :]
         tl.store(A_ptr + a_rows[:, None] * C + rows[None, :],
-                 tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0))
+                 _to16(tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0), A_ptr.dtype.element_ty, EMULATE))
         tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
                  tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
         tl.debug_barrier()   # L_aa back as one [BC, BC] block
@@ -707,7 +725,7 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_k": 64, "block_kw": 32, "num_warps": 4,
       "stages": 2, "split": False, "diag_inverse": True, "state_stages": 1, "state_warps": 4, "state_dots": "tf32",
       "strips": "v6", "strip_warps": 4, "solve_warps": None, "block_k4": 32, "block_k6": 32,
-      "solve_split": False, "solve_dots": None, "solve_rhs": False}
+      "solve_split": False, "solve_dots": None, "solve_rhs": False, "u16": "U", "a16": True, "strips_qkd": True}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
@@ -727,7 +745,10 @@ with `inverse`); "solve_dots": the split solve's operands (None: `PRECISION["sol
 "strips": "v6" the prefix-sum kernels (module docstring; "block_k6" their key piece, "strip_warps" their warps;
 "v3": `_intra3_kernel`, or the split kernels with "split");
 "solve_rhs" (with "v4"): the strips also write w's right side β K e^{Γ} to an fp32 scratch [B·H, N, C, K]
-for the solve, which then reads no gates (no scans, no exponentials there).
+for the solve, which then reads no gates (no scans, no exponentials there);
+"u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone
+(its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands); "strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only
+w and u.
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
@@ -758,8 +779,10 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     R = B * H
     f32 = dict(dtype=torch.float32, device=q.device)
     s16 = dict(dtype=scratch, device=q.device)
-    x = dict(w=torch.empty(R, N, C, K, **s16), u=torch.empty(R, N, C, V, **f32), qd=torch.empty(R, N, C, K, **s16),
-             kd=torch.empty(R, N, C, K, **s16), A=torch.empty(R, N, C, C, **f32), d=torch.empty(R, N, K, **f32),
+    u16 = s16 if V3["u16"] is True else f32
+    a16 = s16 if V3["a16"] else f32
+    x = dict(w=torch.empty(R, N, C, K, **s16), u=torch.empty(R, N, C, V, **u16), qd=torch.empty(R, N, C, K, **s16),
+             kd=torch.empty(R, N, C, K, **s16), A=torch.empty(R, N, C, C, **a16), d=torch.empty(R, N, K, **f32),
              M=torch.empty(R, N, C, C, **f32))   # L passes through M on its way to (I + L)⁻¹
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     rst = reset.to(torch.int32).contiguous() if reset is not None else q   # q: a pointer never read
@@ -775,9 +798,9 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
         x["R"] = torch.empty(R, N, C, K, **f32)
         bg = min(_pow2(K), 64)
         _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
-        _strips6_kernel[(N * (C // SUB_CHUNK), R)](q, k, beta, rst, x["R"], x["A"], x["M"], T, H, K, N, float(scale),
-                                                   BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
-                                                   **blocks)
+        _strips6_kernel[(N * (C // SUB_CHUNK), R)](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"],
+                                                   T, H, K, N, float(scale), BK=min(_pow2(K), V3["block_k6"]),
+                                                   num_warps=V3["strip_warps"], QKD=V3["strips_qkd"], **blocks)
     if v4:
         levels["LOG_BC"] = SUB_CHUNK.bit_length() - 1
         if V3["solve_rhs"]:
@@ -796,7 +819,7 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
                                        x.get("R", x["M"]), T, H, K, V, N, float(scale), BK=cfg["BKW"], BV=cfg["BV"],
                                        RHS=2 if v6 else int("R" in x),
                                        num_warps=cfg["num_warps"] if ieee or not V3["solve_warps"] else
-                                       V3["solve_warps"], INVERSE=inverse, QKD=not v4, SPLIT=pieces > 1, **levels,
+                                       V3["solve_warps"], INVERSE=inverse, QKD=not (v4 or v6 and V3["strips_qkd"]), SPLIT=pieces > 1, **levels,
                                        **{**{n: w for n, w in blocks.items() if n != "PAIR"},
                                           **({"SOLVE": V3["solve_dots"]} if V3["solve_dots"] and not ieee else {})})
     else:
@@ -813,7 +836,8 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
                 s0: Tensor | None, identity: bool, with_u: bool, states: Tensor | None = None,
                 block_v: int | str | None = None, launch: dict | None = None, dots: str | None = None) -> Tensor:
     """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V].
-    `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n over x["u"].
+    `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n into x["U"]
+    if there is one, else over x["u"].
     block_v: the state columns of a program for 16-bit inputs (None: `state_config`'s own; "auto": `_auto_state`
     picks them, the launch and the dots by the shape); launch: num_warps and num_stages over `state_config`'s; dots:
     the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2" and "16" need bf16 w and k̃,
@@ -835,7 +859,8 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     s0_ptr = s0.contiguous() if s0 is not None else sN
     mode = 2 if identity else (1 if s0 is not None else 0)
     _state_kernel[(R, triton.cdiv(V, cfg["BV"]))](
-        x["w"], x["u"], x["kd"], x["d"], s0_ptr, sN, states if states is not None else sN, K, V, N, C=C,
+        x["w"], x["u"], x["kd"], x["d"], s0_ptr, sN, states if states is not None else sN, x.get("U", x["u"]), K, V,
+        N, C=C,
         BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u, STORE=states is not None, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **prec)
     return sN
@@ -879,9 +904,13 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32,
                          device=q.device)
     launch = dict(num_warps=V3["state_warps"], num_stages=V3["state_stages"]) if s16 else None
+    if V3["u16"] == "U" and scratch == torch.bfloat16:   # U_n in bf16 beside the fp32 u, which it then replaces
+        x["U"] = torch.empty(x["u"].shape, dtype=scratch, device=q.device)
     sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, states=states,
                      block_v=V3["state_block"], launch=launch,
                      dots=V3["state_dots"] if scratch == torch.bfloat16 else None)
+    if "U" in x:
+        x["u"] = x.pop("U")
     _output_pass(x, states, o, q.dtype)
     return (o, sN, x, states) if residuals else (o, sN)
 
@@ -894,8 +923,9 @@ def _output_pass(x: dict[str, Tensor], states: Tensor, o: Tensor, dtype: torch.d
     cfg = output_config(K, V, ieee=dtype not in _DT16)
     dots = _dots(dtype, "state")
     qs = "16" if dtype in _DT16 and x["qd"].dtype == states.dtype == torch.bfloat16 else ""
+    au = "16" if dtype in _DT16 and x["A"].dtype == x["u"].dtype == torch.bfloat16 else ""
     _output_kernel[(N, R, triton.cdiv(V, cfg["BV"]))](
-        x["qd"], x["A"], x["u"], states, o, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], QS=qs,
+        x["qd"], x["A"], x["u"], states, o, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], QS=qs, AU=au,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **dots)
 
 

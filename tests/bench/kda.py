@@ -225,11 +225,11 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
                                                                      num_warps=warps, stream=stream))
         for bv in (16, 32, 64):
             for warps in (2, 4, 8):
-                for stream in (False, True):
-                    configs[f"fused, block_v={bv}, {warps} warps, stream={stream}"] = (
-                        lambda bv=bv, warps=warps, stream=stream: fu(*raw, *weights, *tails, conv_reset, g, beta, s,
-                                                                     scale=scale, block_v=bv, num_warps=warps,
-                                                                     stream=stream))
+                for stream, stages in ((False, 1), (True, 1), (False, 2), (False, 3)):
+                    configs[f"fused, block_v={bv}, {warps} warps, stream={stream}, {stages} stages"] = (
+                        lambda bv=bv, warps=warps, stream=stream, stages=stages: fu(
+                            *raw, *weights, *tails, conv_reset, g, beta, s, scale=scale, block_v=bv, num_warps=warps,
+                            stream=stream, stages=stages))
         times: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(3):   # rounds over all configs: the GPU's drift lands on every config alike
             for name, fn in configs.items():
@@ -280,7 +280,10 @@ VARIANTS = {"defaults": {}, "key pieces of 32": dict(strips="v3", block_k=32),
             "v6-2w": dict(strips="v6", strip_warps=2),
             # the defaults before this round: v3's fused intra-chunk kernel, TF32 state pass in 64-column blocks
             "previous": dict(strips="v3", state_block=64),
-            "v6-ssplit": dict(strips="v6", solve_split=True, block_kw=64)}
+            "v6-ssplit": dict(strips="v6", solve_split=True, block_kw=64),
+            # round 5: fp32 u, U_n and Aqk, q̃ / k̃ / d in the solve (the defaults before it); each change alone
+            "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
+            "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
@@ -294,10 +297,14 @@ def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -
         lambda: kt.kda_intra_triton(*args, scale=scale, scratch=scratch))
     xs = kt.kda_intra_triton(*args, scale=scale, scratch=scratch)
     states = torch.empty(R, N, D, D, dtype=sd, device=x["q"].device)
+    if kt.V3["u16"] == "U" and scratch == torch.bfloat16:   # U_n into its own bf16 buffer, as the forward does
+        xs["U"] = torch.empty(xs["u"].shape, dtype=scratch, device=x["q"].device)
     launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
     row(f"{name}: its state pass (S_n, U_n)", "forward",
         lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
                                states=states, block_v=kt.V3["state_block"], launch=launch, dots=kt.V3["state_dots"]))
+    if "U" in xs:
+        xs["u"] = xs.pop("U")
     o = torch.empty_like(x["v"])
     row(f"{name}: its output kernel", "forward", lambda: kt._output_pass(xs, states, o, x["q"].dtype))
 

@@ -221,7 +221,8 @@ def _kda_state(name, sc, block_v):
     if block_v == "auto":
         block_v, launch, prec["STATE"] = kt._auto_state(H, KDA_D, torch.device("cpu"))
     c = {**kt.state_config(KDA_D, KDA_D, ieee=name == "fp32", block_v=block_v), **launch}
-    ptrs = dict(w_ptr=sc, u_ptr=F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=sc)
+    ptrs = dict(w_ptr=sc, u_ptr=F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=sc,
+                U_ptr=sc if kt.V3["u16"] else F32)
     consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, STORE=True, STATE=prec["STATE"], **common)
     return f"kda state pass (S_n, U_n) {name}, w/k~/S_n {sc[1:]} {c} dots {prec['STATE']}", report(
         kt._state_kernel, ptrs, dict(K=KDA_D, V=KDA_D, N=KDA_N), consts, num_warps=c["num_warps"],
@@ -254,9 +255,12 @@ def kda_fwd():
         yield _kda_state(name, sc, kt.V3["state_block"] if name == "bf16" else None)
         c = kt.output_config(KD, KD, ieee=name == "fp32")
         yield f"kda output {name}, q~/S_n {sc[1:]} {c}", report(
-            kt._output_kernel, dict(qd_ptr=sc, A_ptr=F32, U_ptr=F32, h_ptr=sc, o_ptr=x),
+            kt._output_kernel, dict(qd_ptr=sc, A_ptr=sc if kt.V3["a16"] else F32,
+                                    U_ptr=sc if kt.V3["u16"] else F32, h_ptr=sc, o_ptr=x),
             dict(T=T, H=H, K=KD, V=KD, N=N), dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"],
-                                                  QS="16" if name == "bf16" else "", **common),
+                                                  QS="16" if name == "bf16" else "",
+                                                  AU="16" if name == "bf16" and kt.V3["u16"] and kt.V3["a16"] else "",
+                                                  **common),
             num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
@@ -323,19 +327,22 @@ def kda_fwd_v4():
     blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
     yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
                                                     dict(T=T, H=H, K=KD, N=N), dict(C=C, BK=64), num_warps=4)
-    for bk in (32, 64):
-        yield f"kda _strips6_kernel bf16 BK={bk} warps=4", report(
-            kt._strips6_kernel, dict(q_ptr=BF, k_ptr=BF, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=F32, M_ptr=F32),
-            {n: scalars[n] for n in ("T", "H", "K", "N", "scale")}, dict(BK=bk, PAIR=prec["PAIR"], **blocks),
-            num_warps=4, num_stages=2)
-    ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=BF, u_ptr=F32, qd_ptr=BF,
-                kd_ptr=BF, d_ptr=F32, M_ptr=F32, r_ptr=F32)
-    yield "kda v6 solve bf16 BK=32 warps=4 (Γ read)", report(
-        kt._solve3_kernel, ptrs, scalars, dict(BK=32, BV=64, LOG_BC=4, LEVELS=6, INVERSE=False, QKD=True, SPLIT=False,
-                                               RHS=2, **blocks), num_warps=4, num_stages=2)
+    for bk, qkd, a16 in ((32, False, False), (64, False, False), (32, True, True)):
+        yield f"kda _strips6_kernel bf16 BK={bk} warps=4{', q~ k~ d' if qkd else ''}, Aqk {'bf16' if a16 else 'fp32'}", \
+            report(kt._strips6_kernel, dict(q_ptr=BF, k_ptr=BF, beta_ptr=F32, reset_ptr=I32, r_ptr=F32,
+                                            A_ptr=BF if a16 else F32, M_ptr=F32, qd_ptr=BF, kd_ptr=BF, d_ptr=F32),
+                   {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
+                   dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd, **blocks), num_warps=4, num_stages=2)
+    for qkd, u in ((True, F32), (False, F32), (False, BF)):
+        ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=BF, u_ptr=u,
+                    qd_ptr=BF, kd_ptr=BF, d_ptr=F32, M_ptr=F32, r_ptr=F32)
+        yield f"kda v6 solve bf16 BK=32 warps=4 (Γ read){', q~ k~ d' if qkd else ''}, u {u[1:]}", report(
+            kt._solve3_kernel, ptrs, scalars, dict(BK=32, BV=64, LOG_BC=4, LEVELS=6, INVERSE=False, QKD=qkd,
+                                                   SPLIT=False, RHS=2, **blocks), num_warps=4, num_stages=2)
     for dots, bv, warps, stages in (("x2", 16, 8, 2), ("x2", 32, 8, 2), ("x2", 64, 8, 2), ("16", 16, 8, 2)):
         yield f"kda state pass bf16, dots {dots}, {bv} columns, {warps} warps, {stages} stages", report(
-            kt._state_kernel, dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=BF),
+            kt._state_kernel, dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=BF,
+                                   U_ptr=BF),
             dict(K=KD, V=KD, N=N), dict(C=C, BK=KD, BV=bv, S0=1, HAS_U=True, STORE=True, STATE=dots, **common),
             num_warps=warps, num_stages=stages)
 
