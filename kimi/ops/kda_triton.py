@@ -229,17 +229,6 @@ if triton is not None:
         return tl.reshape(tl.cumsum(tl.reshape(x, [C // BC, BC, BK]), 1, reverse=REVERSE), [C, BK])
 
     @triton.jit
-    def _prefix(tri, g, DT: tl.constexpr, EMULATE: tl.constexpr):
-        """tri @ g for a 0/1 matrix tri [M, C] and fp32 g [C, BK] (tri lower triangular: prefix sums down the rows)
-        on the tensor cores at fp32 accuracy: g = hi + lo with hi its TF32 part (low 13 bits cleared: exact in TF32)
-        and lo = g − hi (exact in fp32), two TF32 dots; the 0/1 operand is exact, lo loses its own low bits only
-        (2⁻²⁰ of g), and the sums accumulate in fp32."""
-        hi = (g.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-        t = tri.to(tl.float32)
-        acc = _dot(t, hi, tl.zeros([t.shape[0], g.shape[1]], dtype=tl.float32), "tf32", DT, EMULATE)
-        return _dot(t, g - hi, acc, "tf32", DT, EMULATE)
-
-    @triton.jit
     def _output_kernel(qd_ptr, A_ptr, U_ptr, h_ptr, o_ptr, T, H, K, V, N, C: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                        QS: tl.constexpr = "", AU: tl.constexpr = ""):
@@ -347,8 +336,7 @@ if triton is not None:
         d if QKD (else `_strips4_kernel` wrote them). SPLIT (not with INVERSE): this program forms only piece
         program_id(2) of w's BK-column pieces followed by u's BV-column ones, each program its own (I + L)⁻¹. RHS 1:
         w's right side β K e^{Γ} [seg = 0] read from r [B·H, N, C, K] fp32 (the strips wrote it), not formed; RHS 2:
-        r holds Γ (`_gamma_kernel`), and k̃ takes e^{Γ_{C−1} − Γ_j} (16-bit inputs only); RHS 3: as 2 with Γ formed
-        here from g by `_prefix`."""
+        r holds Γ (`_gamma_kernel`), and k̃ takes e^{Γ_{C−1} − Γ_j} (16-bit inputs only)."""
         rows = tl.arange(0, C)
         out = (bh * N + n) * C + rows
         r2 = rows[:, None]
@@ -389,9 +377,6 @@ if triton is not None:
                 kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
                 if RHS == 2:   # Γ from `_gamma_kernel` in r
                     gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
-                elif RHS == 3:   # Γ by two exact TF32 dots
-                    g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                    gam = _prefix(r2 >= c2, g, DT, EMULATE)
                 else:
                     g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
                     gam = tl.cumsum(g, 0)
@@ -400,11 +385,8 @@ if triton is not None:
             if QKD:
                 q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
                 qd = tl.where(first, scale * q * eg, 0.0)
-                if RHS >= 2:   # Γ_{C−1} − Γ_j: a difference of prefix sums (16-bit inputs only)
-                    if RHS == 2:
-                        g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
-                    else:
-                        g_end = tl.sum(g, 0)
+                if RHS == 2:   # Γ_{C−1} − Γ_j: a difference of prefix sums (16-bit inputs only)
+                    g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
                     kd = tl.where(last, kt * tl.exp(g_end[None, :] - gam), 0.0)
                 else:
                     kd = tl.where(last, kt * tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)
@@ -591,17 +573,16 @@ if triton is not None:
         tl.store(r_ptr + out[:, None] * K + kk[None, :], tl.cumsum(g.to(tl.float32), 0), mask=(kk < K)[None, :])
 
     @triton.jit
-    def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, g_ptr, T, H, K,
-                        N, scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
+    def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, T, H, K, N,
+                        scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
                         PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                        QKD: tl.constexpr = False, PREFIX: tl.constexpr = False):
+                        QKD: tl.constexpr = False):
         # program (chunk n × query block a, row bh), `V3["strips"] = "v6"` (16-bit inputs): `_strip3`'s strip with
         # DIAG, its anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r) instead of scans:
         # queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in block a). A
         # difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands' 16-bit rounding.
         # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
-        # only w and u). PREFIX: Γ formed here from the gates g (`_prefix`: two exact TF32 dots) instead of read
-        # from r (no `_gamma_kernel`, no Γ scratch).
+        # only w and u).
         NB: tl.constexpr = C // BC
         n = tl.program_id(0) // NB
         a = tl.program_id(0) % NB
@@ -623,28 +604,18 @@ if triton is not None:
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             mk = (kk < K)[None, :]
-            if PREFIX:   # Γ of the chunk's rows and of block a's, by dots over the gates (all rows: Γ_{C−1} too)
-                g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0)
-                g = g.to(tl.float32)
-                gam = _prefix(rows[None, :] <= rows[:, None], g, DT, EMULATE)
-                gam_a = _prefix(rows[None, :] <= ra[:, None], g, DT, EMULATE)
-                g_na = tl.sum(tl.where(lr[:, None] == 0, gam_a, 0.0), 0)
-            else:
-                gam = tl.load(r_ptr + c_rows[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
-                g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
-                gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
+            gam = tl.load(r_ptr + c_rows[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
             kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
+            g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
             k_an = tl.where(upto, kt * tl.exp(tl.where(upto, g_na[None, :] - gam, 0.0)), 0.0)
+            gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
             e = tl.exp(gam_a - g_na[None, :])
             q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
             s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
             if QKD:
-                if PREFIX:
-                    g_end = tl.sum(g, 0)
-                else:
-                    g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
+                g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
                 qd = tl.where((seg_a == 0)[:, None], scale * q_a * tl.exp(gam_a), 0.0)
                 kd = tl.where((seg_a == n_seg)[:, None], k_a * tl.exp(g_end[None, :] - gam_a), 0.0)
                 tl.store(qd_ptr + a_rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE),
@@ -754,8 +725,7 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_k": 64, "block_kw": 32, "num_warps": 4,
       "stages": 2, "split": False, "diag_inverse": True, "state_stages": 1, "state_warps": 4, "state_dots": "tf32",
       "strips": "v6", "strip_warps": 4, "solve_warps": None, "block_k4": 32, "block_k6": 32,
-      "solve_split": False, "solve_dots": None, "solve_rhs": False, "u16": "U", "a16": True, "strips_qkd": True,
-      "prefix": "dots"}
+      "solve_split": False, "solve_dots": None, "solve_rhs": False, "u16": "U", "a16": True, "strips_qkd": True}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
@@ -777,10 +747,8 @@ with `inverse`); "solve_dots": the split solve's operands (None: `PRECISION["sol
 "solve_rhs" (with "v4"): the strips also write w's right side β K e^{Γ} to an fp32 scratch [B·H, N, C, K]
 for the solve, which then reads no gates (no scans, no exponentials there);
 "u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone
-(its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands);
-"strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only w and u; "prefix" (with "v6"): "dots", the
-strips and the solve form each chunk's prefix sums Γ themselves by two exact TF32 dots (`_prefix`), "scratch",
-`_gamma_kernel` stores them first.
+(its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands); "strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only
+w and u.
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
@@ -825,17 +793,14 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     ieee = q.dtype not in _DT16   # fp32 inputs: IEEE dots, whose operands sit in registers (`intra3_config`)
     v6 = V3["strips"] == "v6" and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
     v4 = V3["strips"] == "v4" or (V3["strips"] == "v6" and ieee)
-    prefix = v6 and V3["prefix"] == "dots"
     if v6:
         levels["LOG_BC"] = SUB_CHUNK.bit_length() - 1
-        if not prefix:
-            x["R"] = torch.empty(R, N, C, K, **f32)
-            bg = min(_pow2(K), 64)
-            _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
-        _strips6_kernel[(N * (C // SUB_CHUNK), R)](q, k, beta, rst, x.get("R", g), x["A"], x["M"], x["qd"], x["kd"],
-                                                   x["d"], g, T, H, K, N, float(scale),
-                                                   BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
-                                                   QKD=V3["strips_qkd"], PREFIX=prefix, **blocks)
+        x["R"] = torch.empty(R, N, C, K, **f32)
+        bg = min(_pow2(K), 64)
+        _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
+        _strips6_kernel[(N * (C // SUB_CHUNK), R)](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"],
+                                                   T, H, K, N, float(scale), BK=min(_pow2(K), V3["block_k6"]),
+                                                   num_warps=V3["strip_warps"], QKD=V3["strips_qkd"], **blocks)
     if v4:
         levels["LOG_BC"] = SUB_CHUNK.bit_length() - 1
         if V3["solve_rhs"]:
@@ -852,7 +817,7 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
         pieces = triton.cdiv(K, cfg["BKW"]) + triton.cdiv(V, cfg["BV"]) if V3["solve_split"] and not inverse else 1
         _solve3_kernel[(N, R, pieces)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"],
                                        x.get("R", x["M"]), T, H, K, V, N, float(scale), BK=cfg["BKW"], BV=cfg["BV"],
-                                       RHS=(3 if prefix else 2) if v6 else int("R" in x),
+                                       RHS=2 if v6 else int("R" in x),
                                        num_warps=cfg["num_warps"] if ieee or not V3["solve_warps"] else
                                        V3["solve_warps"], INVERSE=inverse, QKD=not (v4 or v6 and V3["strips_qkd"]), SPLIT=pieces > 1, **levels,
                                        **{**{n: w for n, w in blocks.items() if n != "PAIR"},

@@ -282,9 +282,8 @@ VARIANTS = {"defaults": {}, "key pieces of 32": dict(strips="v3", block_k=32),
             "previous": dict(strips="v3", state_block=64),
             "v6-ssplit": dict(strips="v6", solve_split=True, block_kw=64),
             # round 5: fp32 u, U_n and Aqk, q̃ / k̃ / d in the solve (the defaults before it); each change alone
-            "round4": dict(u16=False, a16=False, strips_qkd=False, prefix="scratch"), "u-and-U-bf16": dict(u16=True),
-            "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
-            "gamma-kernel": dict(prefix="scratch")}
+            "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
+            "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:

@@ -327,20 +327,12 @@ def kda_fwd_v4():
     blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
     yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
                                                     dict(T=T, H=H, K=KD, N=N), dict(C=C, BK=64), num_warps=4)
-    for bk, qkd, a16, pre in ((32, False, False, False), (64, False, False, False), (32, True, True, False),
-                              (32, True, True, True)):
-        yield (f"kda _strips6_kernel bf16 BK={bk} warps=4{', q~ k~ d' if qkd else ''}, Aqk {'bf16' if a16 else 'fp32'}"
-               f"{', Γ by dots' if pre else ''}"), \
+    for bk, qkd, a16 in ((32, False, False), (64, False, False), (32, True, True)):
+        yield f"kda _strips6_kernel bf16 BK={bk} warps=4{', q~ k~ d' if qkd else ''}, Aqk {'bf16' if a16 else 'fp32'}", \
             report(kt._strips6_kernel, dict(q_ptr=BF, k_ptr=BF, beta_ptr=F32, reset_ptr=I32, r_ptr=F32,
-                                            A_ptr=BF if a16 else F32, M_ptr=F32, qd_ptr=BF, kd_ptr=BF, d_ptr=F32,
-                                            g_ptr=F32),
+                                            A_ptr=BF if a16 else F32, M_ptr=F32, qd_ptr=BF, kd_ptr=BF, d_ptr=F32),
                    {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-                   dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd, PREFIX=pre, **blocks), num_warps=4, num_stages=2)
-    ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=BF, u_ptr=F32,
-                qd_ptr=BF, kd_ptr=BF, d_ptr=F32, M_ptr=F32, r_ptr=F32)
-    yield "kda v6 solve bf16 BK=32 warps=4 (Γ by dots), u fp32", report(
-        kt._solve3_kernel, ptrs, scalars, dict(BK=32, BV=64, LOG_BC=4, LEVELS=6, INVERSE=False, QKD=False,
-                                               SPLIT=False, RHS=3, **blocks), num_warps=4, num_stages=2)
+                   dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd, **blocks), num_warps=4, num_stages=2)
     for qkd, u in ((True, F32), (False, F32), (False, BF)):
         ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=BF, u_ptr=u,
                     qd_ptr=BF, kd_ptr=BF, d_ptr=F32, M_ptr=F32, r_ptr=F32)
