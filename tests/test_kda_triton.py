@@ -13,12 +13,14 @@ Tolerances (‖out − ref‖ / ‖ref‖ against float64 on the same, already r
   ≤ 6e-7. A wrong mask, decay or segment is O(1e-2) or more.
 - bf16 inputs: 5e-3 for o and the state (the ratio fla's own chunk_kda tests use). The bf16 output itself is
   rounded (~1.7e-3 of the norm); the pairwise strips take bf16 operands (q·e^g rounded: ~2e-3 on Aqk), the solve
-  and the state pass TF32 ones: measured o 2.0–2.6e-3, state 0.9–1.2e-3.
+  and the state pass TF32 ones: measured o 2.0–2.6e-3, state 0.9–1.2e-3; U_n and Aqk stored in bf16 between the
+  kernels (the defaults since round 5) add ~3e-4 to o (2.9 → 3.2–3.3e-3 at T = 160, K = V = 128) and nothing to
+  the state, whose update takes the fp32 U_n.
 - The forward's options (kda_triton.V3: its intra-chunk kernels "v3" to "v6", the split strip / solve kernels, other
   key pieces, fp32 scratch, the state pass's "x2" and bf16 dots and column blocks) are held to the same tolerances
   in test_forward_options and test_forward_strips_variants; with its defaults (16-bit inputs: "v6", the factors
   from the chunks' prefix sums; fp32 ones: "v4", sums of exactly the gates spanned; the state pass's launch by the
-  shape) w, q̃, k̃ and S_n are bf16 for bf16 inputs.
+  shape) w, q̃, k̃, S_n, U_n and Aqk are bf16 for bf16 inputs.
 """
 
 import functools
@@ -145,7 +147,8 @@ def test_forward_options(monkeypatch):
     """The forward's options (kda_triton.V3) at K = V = 128 in bf16, a document start inside a chunk: the split strip
     / solve kernels, other key pieces with fp32 scratch and states, v4's strips and the solve by pieces with the
     state pass's "x2" dots in 16-column blocks, its bf16 dots, v4's strips writing w's right side with the launch
-    chosen by the shape, v6's scan-free strips and solve, each within the bf16 tolerance of the float64 recurrence;
+    chosen by the shape, v6's scan-free strips and solve, u as well as U_n in bf16 with q̃, k̃ and d from the solve,
+    fp32 u, U_n and Aqk, each within the bf16 tolerance of the float64 recurrence;
     the default bf16 scratch really rounded (it differs from the fp32 scratch's result). Two gate kinds as two
     heads."""
     T = 80
@@ -159,7 +162,8 @@ def test_forward_options(monkeypatch):
                     dict(strips="v4", solve_split=True, block_kw=64, state_dots="x2", state_block=16,
                          state_warps=8, state_stages=2),
                     dict(state_dots="16", state_block=32), dict(strips="v6", solve_split=True, block_kw=64),
-                    dict(strips="v4", solve_rhs=True, solve_split=True, state_block="auto")):
+                    dict(strips="v4", solve_rhs=True, solve_split=True, state_block="auto"),
+                    dict(u16=True, strips_qkd=False), dict(u16=False, a16=False)):
         with monkeypatch.context() as mp:
             for name, value in options.items():
                 mp.setitem(kt.V3, name, value)

@@ -38,10 +38,11 @@ prefix sums Γ (`_gamma_kernel`) and takes every factor from them, e^{Γ_r − �
 The sequential pass, `_state_kernel` (one program per sequence × head and block of state columns), carries its
 block of S through the chunks in fp32 registers, storing S_n and U_n, and `_output_kernel`, one program per (chunk,
 sequence × head, column block), forms O_n = q̃_n S_n + Aqk_n U_n from them in parallel.
-For 16-bit inputs w, q̃, k̃ and S_n are bf16 between the kernels (`V3`), and q̃_n S_n then takes bf16 operands (the
-same products as TF32 ones of bf16 values); with `V3["state_dots"] = "x2"` the pass's two dots take w and k̃ as
-stored and the fp32 S_n and U_n as the sum of two bf16 parts (two bf16 dots each: 16 bits of mantissa against
-TF32's 11).
+For 16-bit inputs w, q̃, k̃, S_n, U_n and Aqk are bf16 between the kernels (`V3`; u stays fp32, and the state pass
+updates S with its fp32 U_n), and q̃_n S_n and Aqk_n U_n then take bf16 operands (the same products as TF32 ones of
+bf16 values); "v6" forms q̃, k̃ and d in the strips, leaving the solve w and u; with `V3["state_dots"] = "x2"`
+the pass's two dots take w and k̃ as stored and the fp32 S_n and U_n as the sum of two bf16 parts (two bf16 dots
+each: 16 bits of mantissa against TF32's 11).
 
 **Gates.** The anchored diagonal block needs e^{−g(n_a, j]} to stay finite over 15 tokens: the kernels take the
 bounded gate of K3, g ∈ [−5, 0] (as FLA's `safe_gate`); unbounded softplus gates belong to `delta_rule.kda_chunk`.
@@ -308,8 +309,8 @@ if triton is not None:
         beta_a = tl.load(beta_ptr + toka, mask=va, other=0.0).to(tl.float32)
         same = seg_a[:, None] == seg[None, :]
         a_rows = (bh * N + n) * C + ra
-        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :],
-                 _to16(tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0), A_ptr.dtype.element_ty, EMULATE))
+        a_qk = tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0)
+        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
         tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
                  tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
         if DIAG:
@@ -521,8 +522,8 @@ if triton is not None:
                 dn = tl.where(n_seg == 0, tl.exp(gam + tl.sum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)), 0.0)
                 tl.store(d_ptr + (bh * N + n) * K + kk, dn, mask=kk < K)
         same = seg_a[:, None] == seg_a[None, :]
-        tl.store(A_ptr + a_rows[:, None] * C + ra[None, :],
-                 _to16(tl.where(same & (lr[None, :] <= lr[:, None]), d_qk * scale, 0.0), A_ptr.dtype.element_ty, EMULATE))
+        a_qk = tl.where(same & (lr[None, :] <= lr[:, None]), d_qk * scale, 0.0)
+        tl.store(A_ptr + a_rows[:, None] * C + ra[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
         nil = tl.where(same & (lr[None, :] < lr[:, None]), d_kk, 0.0) * beta_a[:, None]
         inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
         pw = nil
@@ -626,8 +627,8 @@ if triton is not None:
                     tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
         beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
         same = seg_a[:, None] == seg[None, :]
-        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :],
-                 _to16(tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0), A_ptr.dtype.element_ty, EMULATE))
+        a_qk = tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0)
+        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
         tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
                  tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
         tl.debug_barrier()   # L_aa back as one [BC, BC] block
@@ -747,8 +748,8 @@ with `inverse`); "solve_dots": the split solve's operands (None: `PRECISION["sol
 "solve_rhs" (with "v4"): the strips also write w's right side β K e^{Γ} to an fp32 scratch [B·H, N, C, K]
 for the solve, which then reads no gates (no scans, no exponentials there);
 "u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone
-(its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands); "strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only
-w and u.
+(its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands);
+"strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only w and u.
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
@@ -819,7 +820,8 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
                                        x.get("R", x["M"]), T, H, K, V, N, float(scale), BK=cfg["BKW"], BV=cfg["BV"],
                                        RHS=2 if v6 else int("R" in x),
                                        num_warps=cfg["num_warps"] if ieee or not V3["solve_warps"] else
-                                       V3["solve_warps"], INVERSE=inverse, QKD=not (v4 or v6 and V3["strips_qkd"]), SPLIT=pieces > 1, **levels,
+                                       V3["solve_warps"], INVERSE=inverse, SPLIT=pieces > 1, **levels,
+                                       QKD=not (v4 or v6 and V3["strips_qkd"]),
                                        **{**{n: w for n, w in blocks.items() if n != "PAIR"},
                                           **({"SOLVE": V3["solve_dots"]} if V3["solve_dots"] and not ieee else {})})
     else:

@@ -328,7 +328,8 @@ def kda_fwd_v4():
     yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
                                                     dict(T=T, H=H, K=KD, N=N), dict(C=C, BK=64), num_warps=4)
     for bk, qkd, a16 in ((32, False, False), (64, False, False), (32, True, True)):
-        yield f"kda _strips6_kernel bf16 BK={bk} warps=4{', q~ k~ d' if qkd else ''}, Aqk {'bf16' if a16 else 'fp32'}", \
+        label = f"kda _strips6_kernel bf16 BK={bk} warps=4{', q~ k~ d' if qkd else ''}, Aqk {'bf16' if a16 else 'fp32'}"
+        yield label, \
             report(kt._strips6_kernel, dict(q_ptr=BF, k_ptr=BF, beta_ptr=F32, reset_ptr=I32, r_ptr=F32,
                                             A_ptr=BF if a16 else F32, M_ptr=F32, qd_ptr=BF, kd_ptr=BF, d_ptr=F32),
                    {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
@@ -393,7 +394,8 @@ def kda_bwd_saved():
             num_stages=1)
 
 
-KERNELS = {"indexer": indexer, "indexer-select": indexer_select, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq, "sparse-dkv": sparse_dkv,
+KERNELS = {"indexer": indexer, "indexer-select": indexer_select, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq,
+           "sparse-dkv": sparse_dkv,
            "kda-fwd": kda_fwd, "kda-fwd-v4": kda_fwd_v4, "kda-bwd": kda_bwd, "kda-bwd-saved": kda_bwd_saved}
 
 
