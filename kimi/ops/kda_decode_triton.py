@@ -11,10 +11,13 @@ document start lies in (j, W−1] of `conv_reset`:
 
 **Kernel.** One program per (b, h) walks the V columns in blocks of BV (`decode_config`): the q/k conv and norm
 are computed once, then each [K, BV] block of S is loaded, updated in registers and stored back, so the state is read
-once and written once (the columns of S never mix). Splitting V over programs instead would let one program shift a
-q/k tail that another has yet to read; inside a program a barrier orders every read of a tail or a block of S before
-its overwrite. `kda_step_inplace_triton` (no convs, q and k already normalized) has no tails and splits V over the
-grid, (b·H + h, column block).
+once and written once (the columns of S never mix); inside a program a barrier orders every read of a tail or a block
+of S before its overwrite. With `split_v` the column blocks are programs of their own, (b·H + h, column block): each
+computes the q/k conv and norm itself (its v channels are its own, so it shifts their tail), and the q/k tails,
+which every program of the row and head reads, are shifted by the last of them to finish reading: each takes a
+ticket (an atomic add, acquire-release at GPU scope, after a barrier over its reads) on a per-(b, h) counter, the
+one that draws the last ticket shifts the tails and zeroes the counter for the next step. `kda_step_inplace_triton`
+(no convs, q and k already normalized) has no tails and always splits V over the grid.
 
 **Numerics.** fp32 math; the state is fp32. With 16-bit activations the values are rounded where the torch path
 stores them in the activation dtype (conv outputs, normalized q and k, o), so the kernel computes what `kda_layer`
@@ -34,10 +37,11 @@ if triton is not None:
     from .kda_triton import _to16
 
     @triton.jit
-    def _conv_token(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr,
-                    DT: tl.constexpr, EMULATE: tl.constexpr):
-        """silu(causal conv) of row b's new token over channels ch [BC] (mask m), as fp32 rounded to DT; shifts the
-        tail [B, W−1, C] by one in place (the new raw input last). x [B, C], weights [C, 1, W], reset [B, W]."""
+    def _conv_read(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr,
+                   DT: tl.constexpr, EMULATE: tl.constexpr):
+        """silu(causal conv) of row b's new token over channels ch [BC] (mask m), as fp32 rounded to DT, and what
+        `_tail_shift` writes back: (y, the tail rows t [BW, BC], the new raw input x). x [B, C], tail [B, W−1, C],
+        weights [C, 1, W], reset [B, W]."""
         j = tl.arange(0, BW)                                   # tail rows = window positions 0..W-2
         rows = j < W - 1
         later = tl.load(reset_ptr + b * W + j[None, :], mask=(j[None, :] > j[:, None]) & (j[None, :] < W), other=0)
@@ -50,12 +54,28 @@ if triton is not None:
         w_last = tl.load(w_ptr + ch * W + (W - 1), mask=m, other=0.0).to(tl.float32)
         y = tl.sum(tl.where(alive[:, None], t.to(tl.float32) * w, 0.0), 0) + w_last * x.to(tl.float32)
         y = y * tl.sigmoid(y)
+        return _to16(y, DT, EMULATE).to(tl.float32), t, x
+
+    @triton.jit
+    def _tail_shift(tail_ptr, t, x, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr):
+        """The tail [B, W−1, C] of row b over channels ch shifted by one in place, from its rows t as read and the
+        new raw input x (last)."""
+        j = tl.arange(0, BW)
+        m2 = (j < W - 1)[:, None] & m[None, :]
+        tail_rows = tail_ptr + (b * (W - 1) + j[:, None]) * C + ch[None, :]
+        tl.store(tail_rows - C, t, mask=m2 & (j[:, None] >= 1))
+        tl.store(tail_ptr + (b * (W - 1) + W - 2) * C + ch, x, mask=m)
+
+    @triton.jit
+    def _conv_token(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr,
+                    DT: tl.constexpr, EMULATE: tl.constexpr):
+        """`_conv_read`'s y, the tail shifted (`_tail_shift`) once every thread has read it."""
+        y, t, x = _conv_read(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W, BW, DT, EMULATE)
         # Every thread holding a tail element must have read it before any thread overwrites it (a layout may
         # replicate elements across warps).
         tl.debug_barrier()
-        tl.store(tail_rows - C, t, mask=m2 & (j[:, None] >= 1))
-        tl.store(tail_ptr + (b * (W - 1) + W - 2) * C + ch, x, mask=m)
-        return _to16(y, DT, EMULATE).to(tl.float32)
+        _tail_shift(tail_ptr, t, x, b, ch, m, C, W, BW)
+        return y
 
     @triton.jit
     def _l2norm(x, eps, DT: tl.constexpr, EMULATE: tl.constexpr):
@@ -65,14 +85,15 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, tq_ptr, tk_ptr, tv_ptr, reset_ptr,
-                       g_ptr, beta_ptr, state_ptr, o_ptr, H, K, V, scale, eps,
+                       g_ptr, beta_ptr, state_ptr, o_ptr, ticket_ptr, H, K, V, scale, eps,
                        W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
                        CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                       STREAM: tl.constexpr, STAGES: tl.constexpr):
+                       STREAM: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr = False):
         # program (b·H + h, column split s): columns [s·NB·BV, (s+1)·NB·BV) of S in NB blocks of BV. With CONV
         # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
         # [B, H, K] are normalized, v [B, H, V], reset [B] (HAS_RESET). g [B, H, K], beta [B, H], state
-        # [B, H, K, V], o [B, H, V], all dense.
+        # [B, H, K, V], o [B, H, V], all dense. CONV with SPLIT (several column splits): the q/k tails are shifted
+        # by the last program of the row and head to read them, by ticket [B·H] int32 (zero between launches).
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -80,10 +101,21 @@ if triton is not None:
         mk = kk < K
         if CONV:
             keep = tl.load(reset_ptr + b * W + (W - 1)) == 0
-            q = _l2norm(_conv_token(q_ptr, tq_ptr, wq_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
-                        eps, DT, EMULATE)
-            k = _l2norm(_conv_token(k_ptr, tk_ptr, wk_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
-                        eps, DT, EMULATE)
+            yq, t_q, x_q = _conv_read(q_ptr, tq_ptr, wq_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE)
+            yk, t_k, x_k = _conv_read(k_ptr, tk_ptr, wk_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE)
+            q = _l2norm(yq, eps, DT, EMULATE)
+            k = _l2norm(yk, eps, DT, EMULATE)
+            tl.debug_barrier()   # every thread has read the q/k tails
+            if SPLIT:   # the last program of (b, h) to get here shifts them (module docstring)
+                last = tl.atomic_add(ticket_ptr + bh, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1
+                if last:
+                    tl.debug_barrier()
+                    _tail_shift(tq_ptr, t_q, x_q, b, h * K + kk, mk, H * K, W, BW)
+                    _tail_shift(tk_ptr, t_k, x_k, b, h * K + kk, mk, H * K, W, BW)
+                    tl.store(ticket_ptr + bh, 0)
+            else:
+                _tail_shift(tq_ptr, t_q, x_q, b, h * K + kk, mk, H * K, W, BW)
+                _tail_shift(tk_ptr, t_k, x_k, b, h * K + kk, mk, H * K, W, BW)
         else:
             if HAS_RESET:
                 keep = tl.load(reset_ptr + b) == 0
@@ -138,10 +170,22 @@ STREAM = False
 """Cache hints on the state's load and store (evict-first, streaming): a benchmark's option until timed."""
 
 
+_TICKETS: dict[torch.device, Tensor] = {}
+
+
+def _tickets(n: int, device: torch.device) -> Tensor:
+    """A zeroed int32 counter per (row, head) for the split fused step (`_decode_kernel` leaves it zeroed), kept per
+    device and grown as needed."""
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < n:
+        t = _TICKETS[device] = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+    return t
+
+
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
             split_v, stream=None, stages=1):
     B, H, K, V = state.shape
-    BK, BV, warps = decode_config(K, V, fused=not split_v)
+    BK, BV, warps = decode_config(K, V, fused=not split_v or conv)
     if block_v is not None or num_warps is not None:   # a benchmark's choice
         if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
             raise ValueError(f"kda decode: block_v={block_v} must be a power of two")
@@ -150,17 +194,18 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
     NB, splits = (1, NV) if split_v else (NV, 1)
     if B * H:
         _decode_kernel[(B * H, splits)](
-            q, k, v, *weights, *tails, reset, g, beta, state, o, H, K, V, scale, eps,
+            q, k, v, *weights, *tails, reset, g, beta, state, o,
+            _tickets(B * H, state.device) if conv and splits > 1 else o, H, K, V, scale, eps,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
-            STAGES=stages, num_warps=warps)
+            STAGES=stages, SPLIT=conv and splits > 1, num_warps=warps)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
                            v_weight: Tensor, q_tail: Tensor, k_tail: Tensor, v_tail: Tensor, conv_reset: Tensor,
                            g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
                            block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None,
-                           stages: int = 1) -> Tensor:
+                           stages: int = 1, split_v: bool = False) -> Tensor:
     """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
 
     Args:
@@ -175,7 +220,8 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         state [B, H, K, V] float32, contiguous: the recurrent state, updated in place.
         scale: the query scale (K^-1/2); eps: `l2norm`'s (inside the sqrt).
         block_v, num_warps: override `decode_config`; stream: cache hints (`STREAM`); stages: the column-block
-            loop's software-pipelining depth (benchmarks).
+            loop's software-pipelining depth; split_v: the column blocks as programs of their own, the q/k tails
+            shifted by ticket (module docstring) (benchmarks).
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """
@@ -202,7 +248,7 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         t.contiguous() for t in (q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, g, beta))
     _launch(q_raw, k_raw, v_raw, (q_weight, k_weight, v_weight), (q_tail, k_tail, v_tail),
             conv_reset.contiguous().view(torch.uint8), g, beta, state, o, scale=scale, eps=eps, W=W, conv=True,
-            block_v=block_v, num_warps=num_warps, split_v=False, stream=stream, stages=stages)
+            block_v=block_v, num_warps=num_warps, split_v=split_v, stream=stream, stages=stages)
     return o
 
 
