@@ -16,8 +16,8 @@ Tolerances (‖out − ref‖ / ‖ref‖ against float64 on the same, already r
   and the state pass TF32 ones: measured o 2.0–2.6e-3, state 0.9–1.2e-3; U_n and Aqk stored in bf16 between the
   kernels (the defaults since round 5) add ~3e-4 to o (2.9 → 3.2–3.3e-3 at T = 160, K = V = 128) and nothing to
   the state, whose update takes the fp32 U_n.
-- The forward's options (kda_triton.V3: its intra-chunk kernels "v3" to "v6", the split strip / solve kernels, other
-  key pieces, fp32 scratch, the state pass's "x2" and bf16 dots and column blocks) are held to the same tolerances
+- The forward's options (kda_triton.V3: the "v4" and "v6" strips, other key pieces, fp32 scratch, the solve's and
+  the state pass's dots, its column blocks, what is bf16 between the kernels) are held to the same tolerances
   in test_forward_options and test_forward_strips_variants; with its defaults (16-bit inputs: "v6", the factors
   from the chunks' prefix sums; fp32 ones: "v4", sums of exactly the gates spanned; the state pass's launch by the
   shape) w, q̃, k̃, S_n, U_n and Aqk are bf16 for bf16 inputs.
@@ -115,17 +115,15 @@ def test_forward_matches_float64_recurrence(case, dtype):
 
 
 @pytest.mark.parametrize("case", ["documents in a row, near-zero / -5 gates", "saturated at -5, no initial state"])
-@pytest.mark.parametrize("strips, dtype", [("v3", torch.float32), ("v3", torch.bfloat16)])
-def test_forward_strips_variants(case, strips, dtype, monkeypatch):
-    """The intra-chunk kernels the defaults do not run (kda_triton.V3["strips"]; the defaults: "v6" for 16-bit
-    inputs, its prefix sums from `_gamma_kernel`, and "v4" for fp32 ones): "v3" (`_intra3_kernel`, the default
-    before) in fp32 and bf16, on two of the cases above: documents at and inside
-    chunk edges with mixed gates, gates at the bound, partial chunks (at K = 128: test_forward_options)."""
-    monkeypatch.setitem(kt.V3, "strips", strips)
-    x, reset, (o_ref, S_ref), chunk = _forward_case(case, dtype)
+def test_forward_strips_variants(case, monkeypatch):
+    """The strips the defaults do not run for 16-bit inputs (kda_triton.V3["strips"]; the defaults: "v6" for 16-bit
+    inputs, its prefix sums from `_gamma_kernel`, and "v4" for fp32 ones): "v4" in bf16, on two of the cases above:
+    documents at and inside chunk edges with mixed gates, gates at the bound, partial chunks (at K = 128:
+    test_forward_options)."""
+    monkeypatch.setitem(kt.V3, "strips", "v4")
+    x, reset, (o_ref, S_ref), chunk = _forward_case(case, torch.bfloat16)
     o, S = _call(kt.kda_chunk_fwd_triton, x, reset)
-    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
-    assert rel_err(o.cpu(), o_ref) < tol and rel_err(S.cpu(), S_ref) < tol
+    assert rel_err(o.cpu(), o_ref) < BF16_TOL and rel_err(S.cpu(), S_ref) < BF16_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -144,11 +142,10 @@ def test_head_dim_128(dtype):
 
 
 def test_forward_options(monkeypatch):
-    """The forward's options (kda_triton.V3) at K = V = 128 in bf16, a document start inside a chunk: the split strip
-    / solve kernels, other key pieces with fp32 scratch and states, v4's strips and the solve by pieces with the
-    state pass's "x2" dots in 16-column blocks, its bf16 dots, v4's strips writing w's right side with the launch
-    chosen by the shape, v6's scan-free strips and solve, u as well as U_n in bf16 with q̃, k̃ and d from the solve,
-    fp32 u, U_n and Aqk, each within the bf16 tolerance of the float64 recurrence;
+    """The forward's options (kda_triton.V3) at K = V = 128 in bf16, a document start inside a chunk: v4's strips
+    with other w pieces and fp32 scratch and states, or with the state pass's "x2" dots in 16-column blocks; the
+    state pass's bf16 dots; the solve's bf16 dots; u as well as U_n in bf16 with q̃, k̃ and d from the solve; fp32
+    u, U_n and Aqk; each within the bf16 tolerance of the float64 recurrence;
     the default bf16 scratch really rounded (it differs from the fp32 scratch's result). Two gate kinds as two
     heads."""
     T = 80
@@ -157,12 +154,9 @@ def test_forward_options(monkeypatch):
     reset = resets(1, T, [[23]])
     o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset, scale=128 ** -0.5)
     o_16, _ = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
-    for options in (dict(strips="v3", split=True), dict(strips="v3", block_k=32, block_kw=16, scratch="fp32",
-                                                        states="fp32"),
-                    dict(strips="v4", solve_split=True, block_kw=64, state_dots="x2", state_block=16,
-                         state_warps=8, state_stages=2),
-                    dict(state_dots="16", state_block=32), dict(strips="v6", solve_split=True, block_kw=64),
-                    dict(strips="v4", solve_rhs=True, solve_split=True, state_block="auto"),
+    for options in (dict(strips="v4", block_kw=16, scratch="fp32", states="fp32"),
+                    dict(strips="v4", block_kw=64, state_dots="x2", state_block=16, state_warps=8, state_stages=2),
+                    dict(state_dots="16", state_block=32), dict(solve_dots="16", block_kw=64),
                     dict(u16=True, strips_qkd=False), dict(u16=False, a16=False)):
         with monkeypatch.context() as mp:
             for name, value in options.items():
@@ -186,19 +180,10 @@ def test_forward_any_shape(data, T, H, K, V, chunk_size, gate, h0, seed):
     assert rel_err(o.cpu(), o_ref) < FP32_TOL and rel_err(S.cpu(), S_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("variant", ["default", "v3 fused", "split", "plain doubling", "v4 strips"])
-def test_intra_chunk_quantities(variant, monkeypatch):
+def test_intra_chunk_quantities():
     """`kda_intra_triton`'s w, u, q̃, k̃, d, Aqk and (I + L)⁻¹ against their definitions (kda_triton's docstring)
-    in float64: pairwise exponentials over [C, C, K], the solve by `solve_triangular`, segments from the resets.
-    "default": V3's defaults (for these fp32 inputs "v4"'s strips); "v3 fused" / "split" / "plain doubling": v3's
-    kernel, with V3["split"] (the strip and solve kernels apart) / without V3["diag_inverse"]; "v4 strips":
-    V3["strips"] = "v4"."""
-    if variant.endswith("strips"):
-        monkeypatch.setitem(kt.V3, "strips", variant[:2])
-    elif variant != "default":
-        monkeypatch.setitem(kt.V3, "strips", "v3")
-        if variant != "v3 fused":
-            monkeypatch.setitem(kt.V3, "split" if variant == "split" else "diag_inverse", variant == "split")
+    in float64: pairwise exponentials over [C, C, K], the solve by `solve_triangular`, segments from the resets;
+    fp32 inputs (the "v4" strips: 16-bit inputs' "v6" is held to the bf16 tolerances of the forward tests)."""
     B, T, H, K, V, C = 1, 64, 2, 16, 24, 32
     x = _inputs(B, T, H, K, V, "bounded", h0=False)
     reset = resets(B, T, [[9, 32, 50]])

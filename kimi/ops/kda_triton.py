@@ -17,24 +17,22 @@ and the chunks hand the state on in order:
 Only the first segment of a chunk sees S_n and only the last one writes S_{n+1}; the pairwise terms are masked by
 segment, so a document that starts inside a chunk starts from zero exactly.
 
-**Kernels.** `_intra3_kernel`, one program per (chunk, sequence × head), builds L and Aqk by strips: for each
-query block a of BC = 16 rows (first row n_a), its rows against every key of the chunk in one [BC, C] dot per key
-piece, every factor anchored at n_a: queries carry e^{g(n_a, r]} ≤ 1, earlier keys e^{g(j, n_a]} ≤ 1, keys of the
-block itself e^{−g(n_a, j]} ≤ e^{15·5}. Each exponent is a sum over exactly the gates it spans (gates are ≤ 0, so
-these sums do not cancel), never a difference of two chunk prefix sums. Aqk and β·L go to scratch (`_strip3`), and
-each strip inverts its own diagonal block I + L_aa (L_aa nilpotent) as (I − N)(I + N²)(I + N⁴)(I + N⁸), three
-squarings and three products of [BC, BC] blocks, written in place of L_aa. After one barrier `_solve3` reads that
-back and finishes (I + L)⁻¹ by doubling: with Mi inverting the diagonal blocks of size s and E the coupling of each
-2s-block's halves, (D + E)⁻¹ = Mi − Mi E Mi exactly (block forward substitution), log2(C / BC) levels of two [C, C]
-dots (two at C = 64); then w = (I + L)⁻¹ R_w and u = (I + L)⁻¹ R_u as dots with it, and q̃, k̃, d. `V3["split"]`
-runs the strips as their own launch (`_strips3_kernel`, one program per query block) before `_solve3_kernel`;
-`V3["strips"] = "v4"` runs `_strips4_kernel` instead, one program per query block a that meets the keys one block b
+**Kernels.** The intra-chunk quantities take two launches. The strips, one program per (chunk, query block a of
+BC = 16 rows, first row n_a, sequence × head), build block a's rows of L and Aqk with every factor anchored at n_a:
+queries carry e^{g(n_a, r]} ≤ 1, earlier keys e^{g(j, n_a]} ≤ 1, keys of the block itself e^{−g(n_a, j]} ≤ e^{15·5}.
+Aqk and β·L go to scratch, and each strip inverts its own diagonal block I + L_aa (L_aa nilpotent) as
+(I − N)(I + N²)(I + N⁴)(I + N⁸), three squarings and three products of [BC, BC] blocks, written in place of L_aa.
+The solve (`_solve3_kernel`, one program per chunk and sequence × head) reads that back and finishes (I + L)⁻¹ by
+doubling: with Mi inverting the diagonal blocks of size s and E the coupling of each 2s-block's halves,
+(D + E)⁻¹ = Mi − Mi E Mi exactly (block forward substitution), log2(C / BC) levels of two [C, C] dots (two at
+C = 64); then w = (I + L)⁻¹ R_w and u = (I + L)⁻¹ R_u as dots with it. For 16-bit inputs (`V3["strips"] = "v6"`)
+`_gamma_kernel` first stores each chunk's prefix sums Γ and `_strips6_kernel` takes every factor from them,
+e^{Γ_r − Γ_{n_a}} and e^{Γ_{n_a} − Γ_j}, in one [BC, C] dot per key piece, and forms q̃, k̃ and d from the rows it
+holds: no scans, at the price of differences of prefix sums (off by an ulp of |Γ| ≤ 5·C, far below the operands'
+16-bit rounding). fp32 inputs (and `V3["strips"] = "v4"`) run `_strips4_kernel`, which meets the keys one block b
 of BC rows at a time (a [BC, BC] dot per key piece, only 16-row scans: the keys carry e^{g(j, m_b]}, summed within
-b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the whole blocks between) and also writes q̃, k̃ and d, which
-leaves the solve w and u. `V3["strips"] = "v6"` (16-bit inputs; fp32 ones run "v4") first stores each chunk's
-prefix sums Γ (`_gamma_kernel`) and takes every factor from them, e^{Γ_r − Γ_{n_a}} and e^{Γ_{n_a} − Γ_j}, in
-`_strips6_kernel` and the solve: no scans left there, at the price of differences of prefix sums (off by an ulp of
-|Γ| ≤ 5·C, far below the operands' 16-bit rounding; fp32 inputs keep the sums of exactly the gates spanned).
+b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the whole blocks between), so that every exponent is a sum over
+exactly the gates it spans (gates are ≤ 0: these sums do not cancel), and also writes q̃, k̃ and d.
 The sequential pass, `_state_kernel` (one program per sequence × head and block of state columns), carries its
 block of S through the chunks in fp32 registers, storing S_n and U_n, and `_output_kernel`, one program per (chunk,
 sequence × head, column block), forms O_n = q̃_n S_n + Aqk_n U_n from them in parallel.
@@ -266,86 +264,20 @@ if triton is not None:
                  mask=(t < T)[:, None] & mv[None, :])
 
     @triton.jit
-    def _strip3(q_ptr, k_ptr, g_ptr, beta_ptr, A_ptr, M_ptr, n, bh, a, T, H, K, N, scale, rst, seg, valid, tok,
-                C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr, PAIR: tl.constexpr,
-                SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
-        """Rows n_a..n_a+BC−1 (query block a) of chunk n's Aqk (into A) and β·L (into M) as [BC, C] strips, one dot
-        each per key piece: earlier keys carry e^{g(j, n_a]} ≤ 1, block a's own e^{−g(n_a, j]} ≤ e^{75}, later
-        ones 0, queries e^{g(n_a, r]} ≤ 1; each exponent a sum of exactly the gates it spans. DIAG: M's diagonal
-        block takes (I + L_aa)⁻¹ instead of L_aa: with N = L_aa nilpotent (N^BC = 0),
-        (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸), three squarings and three products."""
-        b = bh // H
-        h = bh % H
-        rows = tl.arange(0, C)
-        lr = tl.arange(0, BC)
-        na = a * BC
-        ra = na + lr
-        ta = n * C + ra
-        va = ta < T
-        toka = (b * T + ta) * H + h
-        seg_a = tl.sum(tl.where(rows[None, :] <= ra[:, None], rst[None, :], 0), 1)
-        before = (rows < na)[:, None]
-        in_a = (rows >= na) & (rows < na + BC)
-        upto = (valid & (rows < na + BC))[:, None]                    # the keys the strip meets
-        s_kk = tl.zeros([BC, C], dtype=tl.float32)
-        s_qk = tl.zeros([BC, C], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            mk = kk[None, :] < K
-            m = upto & mk
-            g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-            g_to = tl.where(rows[:, None] <= na, g, 0.0)
-            g_in = tl.where(in_a[:, None] & (rows[:, None] > na), g, 0.0)
-            phi = tl.where(before, tl.cumsum(g_to, 0, reverse=True) - g_to, -tl.cumsum(g_in, 0))
-            k_an = tl.where(before | in_a[:, None], kt * tl.exp(phi), 0.0)
-            ma = va[:, None] & mk
-            g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=ma, other=0.0).to(tl.float32)
-            q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=ma, other=0.0).to(tl.float32)
-            k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=ma, other=0.0).to(tl.float32)
-            e = tl.exp(tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0))
-            s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
-            s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
-        beta_a = tl.load(beta_ptr + toka, mask=va, other=0.0).to(tl.float32)
-        same = seg_a[:, None] == seg[None, :]
-        a_rows = (bh * N + n) * C + ra
-        a_qk = tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0)
-        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
-        tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
-                 tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
-        if DIAG:
-            tl.debug_barrier()   # L_aa back as one [BC, BC] block
-            nil = tl.load(M_ptr + a_rows[:, None] * C + ra[None, :])
-            zb = tl.zeros([BC, BC], dtype=tl.float32)
-            inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
-            pw = nil
-            tl.static_assert(BC == 16)
-            for i in tl.static_range(3):   # N², N⁴, N⁸
-                pw = _dot(pw, pw, zb, SOLVE, DT, EMULATE)
-                inv = _dot(inv, pw, inv, SOLVE, DT, EMULATE)
-            tl.debug_barrier()   # every thread has read L_aa
-            tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
-
-    @triton.jit
     def _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, r_ptr, n, bh, K, V,
                 N, scale, valid, tok, first, last, n_seg, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
                 LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INVERSE: tl.constexpr, SOLVE: tl.constexpr,
-                DT: tl.constexpr, EMULATE: tl.constexpr, QKD: tl.constexpr, SPLIT: tl.constexpr, RHS: tl.constexpr):
-        """Chunk n's (I + L)⁻¹ from `_strip3`'s M (β·L, with (I + L_aa)⁻¹ on the diagonal blocks if LOG_BC > 0):
-        the doubling of the module docstring from level LOG_BC = log2(BC) on (or from the identity at level 0),
-        each level reading its coupling afresh; written over M if INVERSE. Then w and u as dots with it, and q̃, k̃,
-        d if QKD (else `_strips4_kernel` wrote them). SPLIT (not with INVERSE): this program forms only piece
-        program_id(2) of w's BK-column pieces followed by u's BV-column ones, each program its own (I + L)⁻¹. RHS 1:
-        w's right side β K e^{Γ} [seg = 0] read from r [B·H, N, C, K] fp32 (the strips wrote it), not formed; RHS 2:
-        r holds Γ (`_gamma_kernel`), and k̃ takes e^{Γ_{C−1} − Γ_j} (16-bit inputs only)."""
+                DT: tl.constexpr, EMULATE: tl.constexpr, QKD: tl.constexpr, GAMMA: tl.constexpr):
+        """Chunk n's (I + L)⁻¹ from the strips' M (β·L with (I + L_aa)⁻¹ on the diagonal blocks), by the doubling of
+        the module docstring from level LOG_BC = log2(BC) on, each level reading its coupling afresh; written over M
+        if INVERSE. Then w and u as dots with it, and q̃, k̃, d if QKD (else the strips wrote them). GAMMA: r holds
+        Γ (`_gamma_kernel`; 16-bit inputs), and k̃ takes e^{Γ_{C−1} − Γ_j}; else Γ and the suffix sums are scans of
+        g here (sums of exactly the gates spanned)."""
         rows = tl.arange(0, C)
         out = (bh * N + n) * C + rows
         r2 = rows[:, None]
         c2 = rows[None, :]
-        if LOG_BC > 0:
-            Mi = tl.load(M_ptr + out[:, None] * C + c2, mask=r2 // BC == c2 // BC, other=0.0)
-        else:
-            Mi = (r2 == c2).to(tl.float32)
+        Mi = tl.load(M_ptr + out[:, None] * C + c2, mask=r2 // BC == c2 // BC, other=0.0)
         z = tl.zeros([C, C], dtype=tl.float32)
         for lvl in tl.static_range(LOG_BC, LEVELS):
             s = 1 << lvl
@@ -356,37 +288,22 @@ if triton is not None:
             tl.debug_barrier()   # every thread has read L before (I + L)⁻¹ replaces it
             tl.store(M_ptr + out[:, None] * C + c2, Mi)
         beta = tl.load(beta_ptr + tok, mask=valid, other=0.0).to(tl.float32)
-        k_lo = 0
-        k_hi = K
-        v_lo = 0
-        v_hi = V
-        if SPLIT:
-            tl.static_assert(not INVERSE)
-            piece = tl.program_id(2)
-            nk = tl.cdiv(K, BK)
-            k_lo = tl.where(piece < nk, piece * BK, K)
-            k_hi = tl.where(piece < nk, piece * BK + BK, K)
-            v_lo = tl.where(piece < nk, V, (piece - nk) * BV)
-            v_hi = tl.where(piece < nk, V, (piece - nk) * BV + BV)
-        for k0 in range(k_lo, k_hi, BK):
+        for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             mk = kk[None, :] < K
             m = valid[:, None] & mk
-            if RHS == 1:
-                rhs = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            if GAMMA:   # Γ from `_gamma_kernel` in r
+                gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
             else:
-                kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                if RHS == 2:   # Γ from `_gamma_kernel` in r
-                    gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
-                else:
-                    g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                    gam = tl.cumsum(g, 0)
-                eg = tl.exp(gam)                                                  # e^{Γ_r}
-                rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
+                g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                gam = tl.cumsum(g, 0)
+            eg = tl.exp(gam)                                                      # e^{Γ_r}
+            rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
             if QKD:
                 q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
                 qd = tl.where(first, scale * q * eg, 0.0)
-                if RHS == 2:   # Γ_{C−1} − Γ_j: a difference of prefix sums (16-bit inputs only)
+                if GAMMA:   # Γ_{C−1} − Γ_j: a difference of prefix sums (16-bit inputs only)
                     g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
                     kd = tl.where(last, kt * tl.exp(g_end[None, :] - gam), 0.0)
                 else:
@@ -399,7 +316,7 @@ if triton is not None:
                 tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
             w = _dot(Mi, rhs, tl.zeros([C, BK], dtype=tl.float32), SOLVE, DT, EMULATE)
             tl.store(w_ptr + out[:, None] * K + kk[None, :], _to16(w, w_ptr.dtype.element_ty, EMULATE), mask=mk)
-        for v0 in range(v_lo, v_hi, BV):
+        for v0 in range(0, V, BV):
             vv = v0 + tl.arange(0, BV)
             mv = vv[None, :] < V
             v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
@@ -407,53 +324,18 @@ if triton is not None:
             tl.store(u_ptr + out[:, None] * V + vv[None, :], _to16(u, u_ptr.dtype.element_ty, EMULATE), mask=mv)
 
     @triton.jit
-    def _intra3_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, A_ptr, d_ptr,
-                       M_ptr, T, H, K, V, N, scale,
-                       C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr, LEVELS: tl.constexpr,
-                       BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr,
-                       INVERSE: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr,
-                       EMULATE: tl.constexpr):
-        # program (chunk n, row bh), the scratch layouts of `kda_intra_triton`; w, q̃, k̃ in their pointers' dtype,
-        # u, Aqk, M fp32.
-        # The strips of every query block (`_strip3`), then, once L is in M, `_solve3`.
-        n = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
-        for a in range(C // BC):
-            _strip3(q_ptr, k_ptr, g_ptr, beta_ptr, A_ptr, M_ptr, n, bh, a, T, H, K, N, scale, rst, seg, valid, tok,
-                    C, BC, BK, LOG_BC > 0, PAIR, SOLVE, DT, EMULATE)
-        tl.debug_barrier()   # the solve reads L back whole
-        _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, M_ptr, n, bh, K, V,
-                N, scale, valid, tok, (seg == 0)[:, None], (seg == n_seg)[:, None], n_seg, C, BC, LOG_BC, LEVELS, BKW,
-                BV, INVERSE, SOLVE, DT, EMULATE, True, False, False)
-
-    @triton.jit
-    def _strips3_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, A_ptr, M_ptr, T, H, K, N, scale,
-                        C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
-                        HAS_RESET: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr,
-                        EMULATE: tl.constexpr):
-        # program (chunk n × query block a, row bh): `_strip3` alone (`V3["split"]`: the query blocks in parallel)
-        n = tl.program_id(0) // (C // BC)
-        a = tl.program_id(0) % (C // BC)
-        bh = tl.program_id(1).to(tl.int64)
-        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
-        _strip3(q_ptr, k_ptr, g_ptr, beta_ptr, A_ptr, M_ptr, n, bh, a, T, H, K, N, scale, rst, seg, valid, tok, C,
-                BC, BK, DIAG, PAIR, SOLVE, DT, EMULATE)
-
-    @triton.jit
     def _solve3_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr,
                        r_ptr, T, H, K, V, N, scale, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
                        LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr,
                        INVERSE: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                       QKD: tl.constexpr = True, SPLIT: tl.constexpr = False, RHS: tl.constexpr = False):
-        # program (chunk n, row bh[, piece of w / u with SPLIT]): `_solve3` after `_strips3_kernel` (QKD) or
-        # `_strips4_kernel`
+                       QKD: tl.constexpr, GAMMA: tl.constexpr):
+        # program (chunk n, row bh): `_solve3` after `_strips6_kernel` or `_strips4_kernel`
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
         _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, r_ptr, n, bh, K, V,
                 N, scale, valid, tok, (seg == 0)[:, None], (seg == n_seg)[:, None], n_seg, C, BC, LOG_BC, LEVELS, BK,
-                BV, INVERSE, SOLVE, DT, EMULATE, QKD, SPLIT, RHS)
+                BV, INVERSE, SOLVE, DT, EMULATE, QKD, GAMMA)
 
     @triton.jit
     def _gate_sum(g_ptr, seq, h, n, lo, hi, kk, mk, T, H, K, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
@@ -467,12 +349,11 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _strips4_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, qd_ptr, kd_ptr, A_ptr, M_ptr, d_ptr, r_ptr, T, H, K,
-                        N, scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
-                        PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                        RHS: tl.constexpr = False):
+    def _strips4_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, qd_ptr, kd_ptr, A_ptr, M_ptr, d_ptr, T, H, K, N,
+                        scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
+                        PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
         # program (chunk n × query block a, row bh), `V3["strips"] = "v4"`: block a's rows of Aqk and β·L (its
-        # diagonal block inverted, as `_strip3` with DIAG) one [BC, BC] block of keys at a time, each a dot per
+        # diagonal block inverted) one [BC, BC] block of keys at a time, each a dot per
         # key piece, and q̃, k̃ of its rows (d from the last block). Only 16-row scans: key block b < a carries
         # e^{g(j, m_b] + g(m_b, n_a]}, the first a sum within b, the second g_{n_a} plus the whole blocks between,
         # so every exponent is a sum of exactly the gates it spans.
@@ -514,10 +395,6 @@ if triton is not None:
                           k_a * tl.exp(tl.cumsum(g_a, 0, reverse=True) - g_a + after[None, :]), 0.0)
             tl.store(qd_ptr + a_rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
             tl.store(kd_ptr + a_rows[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
-            if RHS:   # w's right side for the solve: β K e^{Γ} on the first segment
-                tl.store(r_ptr + a_rows[:, None] * K + kk[None, :],
-                         tl.where((seg_a == 0)[:, None], beta_a[:, None] * k_a * tl.exp(gam[None, :] + f), 0.0),
-                         mask=mk)
             if a == NB - 1:
                 dn = tl.where(n_seg == 0, tl.exp(gam + tl.sum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)), 0.0)
                 tl.store(d_ptr + (bh * N + n) * K + kk, dn, mask=kk < K)
@@ -578,8 +455,9 @@ if triton is not None:
                         scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
                         PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                         QKD: tl.constexpr = False):
-        # program (chunk n × query block a, row bh), `V3["strips"] = "v6"` (16-bit inputs): `_strip3`'s strip with
-        # DIAG, its anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r) instead of scans:
+        # program (chunk n × query block a, row bh), `V3["strips"] = "v6"` (16-bit inputs): block a's rows of Aqk
+        # and β·L against every key of the chunk, one [BC, C] dot per key piece (its diagonal block then inverted),
+        # the anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r) instead of scans:
         # queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in block a). A
         # difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands' 16-bit rounding.
         # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
@@ -665,17 +543,15 @@ def state_config(K: int, V: int, ieee: bool, block_v: int | None = None) -> dict
     return dict(BK=BK, BV=min(_pow2(V), 64 if BK <= 64 else 32), num_warps=4, num_stages=2 if BK <= 64 else 1)
 
 
-def intra3_config(C: int, K: int, V: int, ieee: bool) -> dict:
-    """The intra-chunk kernels' launch config: key channels in pieces of `V3["block_k"]` for the strips and
-    `V3["block_kw"]` for w, value channels in pieces of 64, `V3["num_warps"]` warps, `V3["stages"]` (sm_90 offline
-    compile at K = V = 128, bf16 with the defaults: 255 registers, no spills, the loads as cp.async); IEEE dots
-    (fp32 inputs, whose operands sit in registers) 16-column key pieces and 8 warps at C = 64 (1.1 KB of spills a
-    thread, against 5.6 KB at 4 warps)."""
+def solve_config(C: int, K: int, V: int, ieee: bool) -> dict:
+    """The intra-chunk launches' config: w in key pieces of `V3["block_kw"]` and u in value pieces of 64 in the solve,
+    its `V3["num_warps"]` warps, `V3["stages"]` for the strips and the solve (sm_90 offline compile at K = V = 128,
+    bf16 with the defaults: the solve 166 registers, no spills); IEEE dots (fp32 inputs, whose operands sit in
+    registers) 16-column key pieces, one stage and 8 warps at C = 64."""
     if ieee:
-        return dict(BK=min(_pow2(K), 16), BKW=min(_pow2(K), 16), BV=min(_pow2(V), 64),
-                    num_warps=8 if C >= 64 else 4, num_stages=1)
-    return dict(BK=min(_pow2(K), V3["block_k"]), BKW=min(_pow2(K), V3["block_kw"]), BV=min(_pow2(V), 64),
-                num_warps=V3["num_warps"], num_stages=V3["stages"])
+        return dict(BKW=min(_pow2(K), 16), BV=min(_pow2(V), 64), num_warps=8 if C >= 64 else 4, num_stages=1)
+    return dict(BKW=min(_pow2(K), V3["block_kw"]), BV=min(_pow2(V), 64), num_warps=V3["num_warps"],
+                num_stages=V3["stages"])
 
 
 def output_config(K: int, V: int, ieee: bool) -> dict:
@@ -723,30 +599,21 @@ PRECISION = {"pair": "16", "solve": "tf32", "state": "tf32"}
 Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dtype), "tf32" or "ieee"."""
 
 
-V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_k": 64, "block_kw": 32, "num_warps": 4,
-      "stages": 2, "split": False, "diag_inverse": True, "state_stages": 1, "state_warps": 4, "state_dots": "tf32",
-      "strips": "v6", "strip_warps": 4, "solve_warps": None, "block_k4": 32, "block_k6": 32,
-      "solve_split": False, "solve_dots": None, "solve_rhs": False, "u16": "U", "a16": True, "strips_qkd": True}
+V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_kw": 32, "num_warps": 4, "stages": 2,
+      "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 4, "solve_warps": None,
+      "block_k4": 32, "block_k6": 32, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
-and output dots then round their operands to TF32 or take them as bf16) or "fp32"; for the intra-chunk kernel:
-"block_k" the key piece of the strips' dots, "block_kw" that of w, "num_warps", "stages" (software pipelining of
-the loads), "split" (strips and solve as two launches, the query blocks in parallel), "diag_inverse" (the strips
-invert their diagonal blocks, leaving the solve two doubling levels instead of six); "state_stages", "state_warps"
-the state pass's launch, "state_dots" its dots' operands with bf16 scratch ("tf32"; "x2": w and k̃ as they are
-stored, S_n and U_n split in two bf16 parts, more exact than TF32 with no fp32 copy of w and k̃ in registers; "16":
-S_n and U_n rounded to bf16, as FLA's state pass); "state_block" "auto": `_auto_state` picks the columns, warps,
-stages and dots by the shape (the other three options then unused);
-"strips": "v4" runs `_strips4_kernel` (one [BC, BC] key block at a time, key pieces of "block_k4", q̃, k̃ and
-d there) and then the solve (as
-"split", whatever "split" says); "strip_warps" and "solve_warps" (None: "num_warps") the split kernels' warps;
-"solve_split": the split solve as one program per chunk and piece of w or u, each forming its own (I + L)⁻¹ (not
-with `inverse`); "solve_dots": the split solve's operands (None: `PRECISION["solve"]`; "16": bf16, as FLA's);
-"strips": "v6" the prefix-sum kernels (module docstring; "block_k6" their key piece, "strip_warps" their warps;
-"v3": `_intra3_kernel`, or the split kernels with "split");
-"solve_rhs" (with "v4"): the strips also write w's right side β K e^{Γ} to an fp32 scratch [B·H, N, C, K]
-for the solve, which then reads no gates (no scans, no exponentials there);
+and output dots then round their operands to TF32 or take them as bf16) or "fp32";
+"state_stages", "state_warps" the state pass's launch, "state_dots" its dots' operands with bf16 scratch ("tf32";
+"x2": w and k̃ as they are stored, S_n and U_n split in two bf16 parts, more exact than TF32 with no fp32 copy of w
+and k̃ in registers; "16": S_n and U_n rounded to bf16, as FLA's state pass); "state_block" "auto": `_auto_state`
+picks the columns, warps, stages and dots by the shape (the other three options then unused);
+the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel` with key pieces of "block_k6") or
+"v4" (`_strips4_kernel`, key pieces of "block_k4"; what fp32 inputs run), "strip_warps" their warps; the solve's
+"block_kw" (w's key piece), "num_warps" ("solve_warps" over it), "stages" (software pipelining of the loads, the
+strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": bf16, as FLA's);
 "u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone
 (its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands);
 "strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only w and u.
@@ -787,47 +654,30 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
              M=torch.empty(R, N, C, C, **f32))   # L passes through M on its way to (I + L)⁻¹
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     rst = reset.to(torch.int32).contiguous() if reset is not None else q   # q: a pointer never read
-    cfg = intra3_config(C, K, V, ieee=q.dtype not in _DT16)
+    ieee = q.dtype not in _DT16   # fp32 inputs: IEEE dots, whose operands sit in registers (`solve_config`)
+    cfg = solve_config(C, K, V, ieee=ieee)
     dots = _dots(q.dtype, "pair", "solve")
     blocks = dict(C=C, BC=SUB_CHUNK, HAS_RESET=reset is not None, num_stages=cfg["num_stages"], **dots)
-    levels = dict(LOG_BC=SUB_CHUNK.bit_length() - 1 if V3["diag_inverse"] else 0, LEVELS=C.bit_length() - 1)
-    ieee = q.dtype not in _DT16   # fp32 inputs: IEEE dots, whose operands sit in registers (`intra3_config`)
     v6 = V3["strips"] == "v6" and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
-    v4 = V3["strips"] == "v4" or (V3["strips"] == "v6" and ieee)
+    grid = (N * (C // SUB_CHUNK), R)
     if v6:
-        levels["LOG_BC"] = SUB_CHUNK.bit_length() - 1
         x["R"] = torch.empty(R, N, C, K, **f32)
         bg = min(_pow2(K), 64)
         _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
-        _strips6_kernel[(N * (C // SUB_CHUNK), R)](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"],
-                                                   T, H, K, N, float(scale), BK=min(_pow2(K), V3["block_k6"]),
-                                                   num_warps=V3["strip_warps"], QKD=V3["strips_qkd"], **blocks)
-    if v4:
-        levels["LOG_BC"] = SUB_CHUNK.bit_length() - 1
-        if V3["solve_rhs"]:
-            x["R"] = torch.empty(R, N, C, K, **f32)
-        _strips4_kernel[(N * (C // SUB_CHUNK), R)](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"],
-                                                   x.get("R", x["M"]), T, H, K, N, float(scale), RHS="R" in x,
-                                                   BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),
-                                                   num_warps=4 if ieee else V3["strip_warps"], **blocks)
-    elif V3["split"]:
-        _strips3_kernel[(N * (C // SUB_CHUNK), R)](q, k, g, beta, rst, x["A"], x["M"], T, H, K, N, float(scale),
-                                                   BK=cfg["BK"], DIAG=V3["diag_inverse"],
-                                                   num_warps=4 if ieee else V3["strip_warps"], **blocks)
-    if v4 or v6 or V3["split"]:
-        pieces = triton.cdiv(K, cfg["BKW"]) + triton.cdiv(V, cfg["BV"]) if V3["solve_split"] and not inverse else 1
-        _solve3_kernel[(N, R, pieces)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"],
-                                       x.get("R", x["M"]), T, H, K, V, N, float(scale), BK=cfg["BKW"], BV=cfg["BV"],
-                                       RHS=2 if v6 else int("R" in x),
-                                       num_warps=cfg["num_warps"] if ieee or not V3["solve_warps"] else
-                                       V3["solve_warps"], INVERSE=inverse, SPLIT=pieces > 1, **levels,
-                                       QKD=not (v4 or v6 and V3["strips_qkd"]),
-                                       **{**{n: w for n, w in blocks.items() if n != "PAIR"},
-                                          **({"SOLVE": V3["solve_dots"]} if V3["solve_dots"] and not ieee else {})})
+        _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
+                              float(scale), BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
+                              QKD=V3["strips_qkd"], **blocks)
     else:
-        _intra3_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["A"], x["d"], x["M"], T,
-                               H, K, V, N, float(scale), BK=cfg["BK"], BKW=cfg["BKW"], BV=cfg["BV"],
-                               num_warps=cfg["num_warps"], INVERSE=inverse, **levels, **blocks)
+        _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N, float(scale),
+                              BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),
+                              num_warps=4 if ieee else V3["strip_warps"], **blocks)
+    solve = {n: w for n, w in blocks.items() if n != "PAIR"}
+    if V3["solve_dots"] and not ieee:
+        solve["SOLVE"] = V3["solve_dots"]
+    _solve3_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"], x.get("R", x["M"]),
+                           T, H, K, V, N, float(scale), BK=cfg["BKW"], BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1,
+                           LEVELS=C.bit_length() - 1, INVERSE=inverse, QKD=v6 and not V3["strips_qkd"], GAMMA=v6,
+                           num_warps=V3["solve_warps"] or cfg["num_warps"] if not ieee else cfg["num_warps"], **solve)
     x.pop("R", None)
     if not inverse:
         del x["M"]

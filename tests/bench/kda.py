@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python tests/bench/kda.py                         # H200: T = 8192, H = 96 and the decode step
     PYTHONPATH=. python tests/bench/kda.py --shapes 8192x96 32768x32 65536x8 --chunk-triton
-    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --variants defaults split
+    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --variants defaults v4
 
 fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
 by default.
@@ -248,9 +248,7 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
             print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} |", flush=True)
 
 
-VARIANTS = {"defaults": {}, "key pieces of 32": dict(strips="v3", block_k=32),
-            "no diagonal inverse": dict(strips="v3", diag_inverse=False), "one stage": dict(stages=1),
-            "w pieces of 16": dict(block_kw=16), "split": dict(strips="v3", split=True),
+VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(block_kw=16),
             "state pass two stages": dict(state_block=64, state_stages=2), "32 state columns": dict(state_block=32),
             "fp32 scratch and S_n": dict(scratch="fp32", states="fp32"),
             # the state pass: dots ("x2": S_n and U_n as two bf16 parts; "16": rounded to bf16), columns, warps, stages
@@ -268,27 +266,14 @@ VARIANTS = {"defaults": {}, "key pieces of 32": dict(strips="v3", block_k=32),
             "state-tf32-16c-8w-2s": dict(state_block=16, state_warps=8, state_stages=2),
             "state-bf16-32c-8w-2s": dict(state_dots="16", state_block=32, state_warps=8, state_stages=2),
             "state-bf16-16c-8w-2s": dict(state_dots="16", state_block=16, state_warps=8, state_stages=2),
-            # the intra-chunk kernels: v3's strips apart ("split"), or v4's strips (one key block at a time)
-            "split-bk16": dict(strips="v3", split=True, block_k=16),
-            "split-bk32": dict(strips="v3", split=True, block_k=32),
-            "split-bk16-solve8w-kw64": dict(strips="v3", split=True, block_k=16, solve_warps=8, block_kw=64),
+            # the intra-chunk kernels: v4's strips (one key block at a time) or v6's (the default), and the solve
             "v4": dict(strips="v4"), "v4-2w": dict(strips="v4", strip_warps=2),
             "v4-bk64": dict(strips="v4", block_k4=64), "v4-bk128": dict(strips="v4", block_k4=128),
             "v4-solve8w-kw64": dict(strips="v4", solve_warps=8, block_kw=64),
             "v4-solve8w-kw32": dict(strips="v4", solve_warps=8),
             "v4-solve8w-kw64-1s": dict(strips="v4", solve_warps=8, block_kw=64, stages=1),
-            "v4-ssplit": dict(strips="v4", solve_split=True, block_kw=64),
-            "v4-ssplit-8w": dict(strips="v4", solve_split=True, block_kw=64, solve_warps=8),
-            "v4-ssplit-kw32": dict(strips="v4", solve_split=True),
-            "split-solve16": dict(strips="v3", split=True, solve_dots="16"),
-            "v4-ssplit-solve16": dict(strips="v4", solve_split=True, block_kw=64, solve_dots="16"),
-            "v4-rhs": dict(strips="v4", solve_rhs=True),
-            "v4-ssplit-rhs": dict(strips="v4", solve_split=True, block_kw=64, solve_rhs=True),
             "v6": dict(strips="v6"), "v6-bk64": dict(strips="v6", block_k6=64),
-            "v6-2w": dict(strips="v6", strip_warps=2),
-            # the defaults before this round: v3's fused intra-chunk kernel, TF32 state pass in 64-column blocks
-            "previous": dict(strips="v3", state_block=64),
-            "v6-ssplit": dict(strips="v6", solve_split=True, block_kw=64),
+            "v6-2w": dict(strips="v6", strip_warps=2), "solve-bf16": dict(solve_dots="16"),
             # round 5: fp32 u, U_n and Aqk, q̃ / k̃ / d in the solve (the defaults before it); each change alone
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False)}
@@ -301,7 +286,7 @@ def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -
     R, N = H, -(-T // 64)
     scratch = torch.bfloat16 if kt.V3["scratch"] == "16" else torch.float32
     sd = torch.bfloat16 if kt.V3["states"] == "16" else torch.float32
-    row(f"{name}: its intra-chunk kernel{'s' if kt.V3['split'] else ''}", "forward",
+    row(f"{name}: its intra-chunk kernels", "forward",
         lambda: kt.kda_intra_triton(*args, scale=scale, scratch=scratch))
     xs = kt.kda_intra_triton(*args, scale=scale, scratch=scratch)
     states = torch.empty(R, N, D, D, dtype=sd, device=x["q"].device)
@@ -319,7 +304,7 @@ def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -
 
 def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict, variants: list | None) -> None:
     """The forward with kda_triton.V3's options (`variants`: names of VARIANTS; None: all but "defaults"), whole
-    and, for the intra-chunk options, its intra-chunk kernel."""
+    and, for the intra-chunk options, its intra-chunk kernels."""
     from kimi.ops import kda_triton as kt
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     for variant, options in VARIANTS.items():
@@ -350,8 +335,7 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
                                            dots=kt.V3["state_dots"]))
                 del xs, states
                 continue
-            split = kt.V3["split"] or kt.V3["strips"] != "v3"
-            row(f"{name}: its intra-chunk kernel{'s' if split else ''}", "forward",
+            row(f"{name}: its intra-chunk kernels", "forward",
                 lambda: kt.kda_intra_triton(*args, scale=scale, scratch=torch.bfloat16))
         finally:
             kt.V3.clear()

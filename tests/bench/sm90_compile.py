@@ -200,17 +200,42 @@ def _kda_prec(name):
 
 
 def _kda_intra(name, sc, inverse):
-    """`_intra3_kernel` for `name` inputs ("bf16", "fp32") with scratch `sc`, (I+L)^-1 stored or not."""
+    """The intra-chunk launches as `kt.kda_intra_triton` runs them for `name` inputs ("bf16": `_gamma_kernel`,
+    `_strips6_kernel`, the solve reading Γ; "fp32": `_strips4_kernel`, the solve) with scratch `sc`, (I+L)^-1 stored
+    or not."""
     x = BF if name == "bf16" else F32
     prec, common = _kda_prec(name)
-    c = kt.intra3_config(KDA_C, KDA_D, KDA_D, ieee=name == "fp32")
-    ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc, u_ptr=F32,
-                qd_ptr=sc, kd_ptr=sc, A_ptr=F32, d_ptr=F32, M_ptr=F32)
-    consts = dict(C=KDA_C, BC=kt.SUB_CHUNK, HAS_RESET=True, LOG_BC=4, LEVELS=6, INVERSE=inverse, BK=c["BK"],
-                  BKW=c["BKW"], BV=c["BV"], PAIR=prec["PAIR"], SOLVE=prec["SOLVE"], **common)
-    label = f"kda intra {name}{', (I+L)^-1' if inverse else ''}, scratch {sc[1:]} {c}"
-    return label, report(kt._intra3_kernel, ptrs, dict(T=T, H=H, K=KDA_D, V=KDA_D, N=KDA_N, scale=0.1), consts,
-                         num_warps=c["num_warps"], num_stages=c["num_stages"])
+    c = kt.solve_config(KDA_C, KDA_D, KDA_D, ieee=name == "fp32")
+    scalars = dict(T=T, H=H, K=KDA_D, V=KDA_D, N=KDA_N, scale=0.1)
+    blocks = dict(C=KDA_C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
+    s16 = name == "bf16" and sc == BF
+    a_ptr = BF if s16 and kt.V3["a16"] else F32
+    v6 = name == "bf16" and kt.V3["strips"] == "v6"
+    qkd_strips = not v6 or kt.V3["strips_qkd"]
+    if v6:
+        yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
+                                                        dict(T=T, H=H, K=KDA_D, N=KDA_N), dict(C=KDA_C, BK=64),
+                                                        num_warps=4)
+        bk, warps = kt.V3["block_k6"], kt.V3["strip_warps"]
+        yield f"kda _strips6_kernel {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
+            kt._strips6_kernel, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
+                                     qd_ptr=sc, kd_ptr=sc, d_ptr=F32),
+            {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
+            dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, **blocks), num_warps=warps, num_stages=c["num_stages"])
+    else:
+        bk, warps = (kt.V3["block_k4"], kt.V3["strip_warps"]) if name == "bf16" else (16, 4)
+        yield f"kda _strips4_kernel {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
+            kt._strips4_kernel, dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, qd_ptr=sc, kd_ptr=sc,
+                                     A_ptr=a_ptr, M_ptr=F32, d_ptr=F32),
+            {n: scalars[n] for n in ("T", "H", "K", "N", "scale")}, dict(BK=bk, PAIR=prec["PAIR"], **blocks),
+            num_warps=warps, num_stages=c["num_stages"])
+    ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc,
+                u_ptr=BF if s16 and kt.V3["u16"] is True else F32, qd_ptr=sc, kd_ptr=sc, d_ptr=F32, M_ptr=F32,
+                r_ptr=F32)
+    label = f"kda solve {name}{', (I+L)^-1' if inverse else ''}, scratch {sc[1:]} {c}"
+    yield label, report(kt._solve3_kernel, ptrs, scalars,
+                        dict(BK=c["BKW"], BV=c["BV"], LOG_BC=4, LEVELS=6, INVERSE=inverse, QKD=not qkd_strips,
+                             GAMMA=v6, **blocks), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def _kda_state(name, sc, block_v):
@@ -231,27 +256,13 @@ def _kda_state(name, sc, block_v):
 
 def kda_fwd():
     """The chunked KDA forward at K = V = 128, C = 64 (T = 8192, H = 96), bf16 (bf16 scratch, `kt.V3`) and fp32:
-    `_intra3_kernel`, the split `_strips3_kernel` / `_solve3_kernel`, the state pass and `_output_kernel`."""
+    the intra-chunk launches (`_kda_intra`), the state pass and `_output_kernel`."""
     N, C, KD = KDA_N, KDA_C, KDA_D
-    scalars = dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1)
     for name in ("bf16", "fp32"):
         x = BF if name == "bf16" else F32
         sc = BF if name == "bf16" else F32
         prec, common = _kda_prec(name)
-        yield _kda_intra(name, sc, inverse=False)
-        c = kt.intra3_config(C, KD, KD, ieee=name == "fp32")
-        blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
-        sp = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, A_ptr=F32, M_ptr=F32)
-        yield f"kda strips {name} BK={c['BK']} warps=4", report(
-            kt._strips3_kernel, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-            dict(BK=c["BK"], DIAG=True, PAIR=prec["PAIR"], **blocks), num_warps=4, num_stages=c["num_stages"])
-        ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc, u_ptr=F32,
-                    qd_ptr=sc, kd_ptr=sc, d_ptr=F32, M_ptr=F32, r_ptr=F32)
-        yield f"kda solve {name}, scratch {sc[1:]} BK={c['BKW']} BV={c['BV']} warps={c['num_warps']}", report(
-            kt._solve3_kernel, ptrs, scalars, dict(BK=c["BKW"], BV=c["BV"], LOG_BC=4, LEVELS=6, INVERSE=False,
-                                                   QKD=True, SPLIT=False, RHS=False, **blocks),
-                                                   num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
+        yield from _kda_intra(name, sc, inverse=False)
         yield _kda_state(name, sc, kt.V3["state_block"] if name == "bf16" else None)
         c = kt.output_config(KD, KD, ieee=name == "fp32")
         yield f"kda output {name}, q~/S_n {sc[1:]} {c}", report(
@@ -265,14 +276,14 @@ def kda_fwd():
 
 
 def kda_bwd():
-    """The chunked KDA backward at K = V = 128, C = 64, bf16 and fp32: the recompute (`_intra3_kernel` with
+    """The chunked KDA backward at K = V = 128, C = 64, bf16 and fp32: the recompute (the intra-chunk launches with
     (I+L)^-1, fp32 scratch), the state pass storing S_n and U_n, the reverse pass (`_state_bwd_kernel`), and
     kda_bwd_triton's `_bwd_dav_kernel` and `_bwd_dqkg_kernel`."""
     N, C, KD = KDA_N, KDA_C, KDA_D
     for name in ("bf16", "fp32"):
         x = BF if name == "bf16" else F32
         prec, common = _kda_prec(name)
-        yield _kda_intra(name, F32, inverse=True)
+        yield from _kda_intra(name, F32, inverse=True)
         yield _kda_state(name, F32, kt.V3["state_block"] if name == "bf16" else None)
         c = kt.state_config(KD, KD, ieee=name == "fp32")
         ptrs = dict(qd_ptr=F32, kd_ptr=F32, w_ptr=F32, A_ptr=F32, d_ptr=F32, do_ptr=x, dsN_ptr=F32, dh_ptr=F32,
@@ -300,9 +311,10 @@ def kda_bwd():
 
 
 def kda_fwd_v4():
-    """The forward's candidate kernels (`kt.V3` options) at K = V = 128, C = 64: `_strips4_kernel`
-    ("strips": "v4", bf16 and fp32), the solve after it (no q~ / k~ / d), "v6" (`_gamma_kernel`,
-    `_strips6_kernel`, the solve reading Γ), the state pass with "x2" / "16" dots by columns, warps and stages."""
+    """The forward's candidate launches (`kt.V3` options) at K = V = 128, C = 64: `_strips4_kernel` ("strips": "v4",
+    bf16 and fp32), the solve after it (no q~ / k~ / d) by w pieces and warps, "v6" (`_gamma_kernel`,
+    `_strips6_kernel` by key pieces, with q~ / k~ / d or not, the solve reading Γ), the state pass with "x2" / "16"
+    dots by columns, warps and stages."""
     N, C, KD = KDA_N, KDA_C, KDA_D
     scalars = dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1)
     for name in ("bf16", "fp32"):
@@ -311,18 +323,16 @@ def kda_fwd_v4():
         blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
         bk, warps = (kt.V3["block_k4"], kt.V3["strip_warps"]) if name == "bf16" else (16, 4)
         sp = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, qd_ptr=x, kd_ptr=x, A_ptr=F32, M_ptr=F32,
-                  d_ptr=F32, r_ptr=F32)
-        for fn, w in ((kt._strips4_kernel, warps),):
-            yield f"kda {fn.__name__} {name} BK={bk} warps={w}", report(
-                fn, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-                dict(BK=bk, PAIR=prec["PAIR"], RHS=False, **blocks), num_warps=w, num_stages=1)
+                  d_ptr=F32)
+        yield f"kda _strips4_kernel {name} BK={bk} warps={warps}", report(
+            kt._strips4_kernel, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
+            dict(BK=bk, PAIR=prec["PAIR"], **blocks), num_warps=warps, num_stages=1)
         ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=x, u_ptr=F32,
                     qd_ptr=x, kd_ptr=x, d_ptr=F32, M_ptr=F32, r_ptr=F32)
-        for bkw, warps, rhs in ((32, 4, False), (64, 4, False), (64, 8, False), (64, 4, True)) if name == "bf16" else (
-                (16, 8, False),):
-            yield f"kda v4 solve by pieces {name} BK={bkw} warps={warps}{' rhs read' if rhs else ''}", report(
+        for bkw, warps in ((32, 4), (64, 4), (64, 8)) if name == "bf16" else ((16, 8),):
+            yield f"kda v4 solve {name} BK={bkw} warps={warps}", report(
                 kt._solve3_kernel, ptrs, scalars, dict(BK=bkw, BV=64, LOG_BC=4, LEVELS=6, INVERSE=False, QKD=False,
-                                                       SPLIT=True, RHS=rhs, **blocks), num_warps=warps, num_stages=2)
+                                                       GAMMA=False, **blocks), num_warps=warps, num_stages=2)
     prec, common = _kda_prec("bf16")
     blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
     yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
@@ -339,7 +349,7 @@ def kda_fwd_v4():
                     qd_ptr=BF, kd_ptr=BF, d_ptr=F32, M_ptr=F32, r_ptr=F32)
         yield f"kda v6 solve bf16 BK=32 warps=4 (Γ read){', q~ k~ d' if qkd else ''}, u {u[1:]}", report(
             kt._solve3_kernel, ptrs, scalars, dict(BK=32, BV=64, LOG_BC=4, LEVELS=6, INVERSE=False, QKD=qkd,
-                                                   SPLIT=False, RHS=2, **blocks), num_warps=4, num_stages=2)
+                                                   GAMMA=True, **blocks), num_warps=4, num_stages=2)
     for dots, bv, warps, stages in (("x2", 16, 8, 2), ("x2", 32, 8, 2), ("x2", 64, 8, 2), ("16", 16, 8, 2)):
         yield f"kda state pass bf16, dots {dots}, {bv} columns, {warps} warps, {stages} stages", report(
             kt._state_kernel, dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=BF,
