@@ -161,7 +161,11 @@ def test_forward_options(monkeypatch):
         with monkeypatch.context() as mp:
             for name, value in options.items():
                 mp.setitem(kt.V3, name, value)
-            o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
+            o, S, scratch, _ = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, residuals=True)
+            s16 = kt.V3["scratch"] == "16"
+            want = {"u": torch.bfloat16 if s16 and kt.V3["u16"] else torch.float32,   # U_n, as the backward keeps it
+                    "A": torch.bfloat16 if s16 and kt.V3["a16"] else torch.float32}
+        assert {n: scratch[n].dtype for n in want} == want, options
         assert rel_err(o.cpu(), o_ref) < BF16_TOL and rel_err(S.cpu(), S_ref) < BF16_TOL, options
         if "scratch" in options:
             assert not torch.equal(o, o_16)
@@ -268,6 +272,15 @@ def test_rejects_what_it_cannot_run():
         _call(kt.kda_chunk_fwd_triton, x, reset=torch.zeros(1, 19, dtype=torch.bool))
     with pytest.raises(ValueError, match="at least one token"):
         _call(kt.kda_chunk_fwd_triton, {n: t[:, :0] if n != "initial_state" else t for n, t in x.items()})
+
+
+@pytest.mark.parametrize("name, value, match", [("strips", "v3", "strips"), ("u16", "u", "u16"),
+                                                ("split", True, "unknown options")])
+def test_rejects_options_that_do_not_exist(name, value, match, monkeypatch):
+    """A retired or mistyped `V3` option is a named error, not the defaults run in its place."""
+    monkeypatch.setitem(kt.V3, name, value)
+    with pytest.raises(ValueError, match=match):
+        _call(kt.kda_chunk_fwd_triton, _inputs(1, 20, 1, 16, 16, dtype=torch.bfloat16))
 
 
 # ---------------------------------------------------------------------------------------------- H200

@@ -170,18 +170,6 @@ STREAM = False
 """Cache hints on the state's load and store (evict-first, streaming): a benchmark's option until timed."""
 
 
-_TICKETS: dict[torch.device, Tensor] = {}
-
-
-def _tickets(n: int, device: torch.device) -> Tensor:
-    """A zeroed int32 counter per (row, head) for the split fused step (`_decode_kernel` leaves it zeroed), kept per
-    device and grown as needed."""
-    t = _TICKETS.get(device)
-    if t is None or t.numel() < n:
-        t = _TICKETS[device] = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
-    return t
-
-
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
             split_v, stream=None, stages=1):
     B, H, K, V = state.shape
@@ -192,10 +180,13 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
         BV, warps = block_v or BV, num_warps or warps
     NV = triton.cdiv(V, BV)
     NB, splits = (1, NV) if split_v else (NV, 1)
+    # the split fused step's counters, zeroed by this call (a memset a CUDA graph captures with the step): a step's
+    # own, so steps on other streams or graphs never share one
+    tickets = torch.zeros(B * H, dtype=torch.int32, device=state.device) if conv and splits > 1 else None
     if B * H:
         _decode_kernel[(B * H, splits)](
             q, k, v, *weights, *tails, reset, g, beta, state, o,
-            _tickets(B * H, state.device) if conv and splits > 1 else o, H, K, V, scale, eps,
+            tickets if tickets is not None else o, H, K, V, scale, eps,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
             STAGES=stages, SPLIT=conv and splits > 1, num_warps=warps)

@@ -620,6 +620,22 @@ strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": b
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
+_V3_KEYS = frozenset(V3)
+
+
+def _check_v3() -> None:
+    """One named error for a `V3` that names an option that does not exist (a retired one, a typo) or a value the
+    kernels do not know, rather than a default run in its place."""
+    unknown = sorted(set(V3) - _V3_KEYS)
+    if unknown:
+        raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
+    allowed = {"strips": ("v4", "v6"), "u16": (True, False, "U"), "a16": (True, False),
+               "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32")}
+    bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
+    if bad:
+        raise ValueError(f"kda_triton.V3: {bad} not among {({n: allowed[n] for n in bad})}")
+
+
 def _dots(dtype: torch.dtype, *which: str) -> dict:
     """The dot operands of `which` ("pair", "solve", "state") for inputs of `dtype` (fp32: "ieee" everywhere), the
     16-bit operand type and whether the interpreter emulates the tensor cores' rounding. fp16 inputs take bf16
@@ -631,12 +647,16 @@ def _dots(dtype: torch.dtype, *which: str) -> dict:
 def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None = None, *,
                      scale: float, chunk_size: int = 64, inverse: bool = False,
                      scratch: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """The intra-chunk quantities of every chunk (module docstring), one program per (chunk, sequence × head).
+    """The intra-chunk quantities of every chunk (module docstring): the strips (one program per chunk, query block
+    of 16 rows and sequence × head; for 16-bit inputs after `_gamma_kernel`), then the solve (one per chunk and
+    sequence × head).
 
     q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], reset [B, T] bool or None. Returns tensors over rows
     R = B·H (b-major) and chunks N = ⌈T / C⌉ (the last chunk zero-padded): w, q̃ ("qd"), k̃ ("kd") [R, N, C, K]
-    (in `scratch`: fp32 or bf16), u [R, N, C, V], Aqk ("A") [R, N, C, C], d [R, N, K] (fp32); with `inverse`
-    also (I + L)⁻¹ ("M") [R, N, C, C] fp32 (the backward's)."""
+    (in `scratch`: fp32 or bf16), u [R, N, C, V] (fp32; in `scratch` with `V3["u16"]` True), Aqk ("A")
+    [R, N, C, C] (fp32; in `scratch` with `V3["a16"]`), d [R, N, K] (fp32); with `inverse` also (I + L)⁻¹ ("M")
+    [R, N, C, C] fp32 (the backward's)."""
+    _check_v3()
     _check(q, k, v, g, beta, None, reset, chunk_size, "kda_intra_triton")
     if scratch not in (torch.float32, torch.bfloat16):
         raise ValueError(f"kda_intra_triton: scratch={scratch} must be float32 or bfloat16")

@@ -233,7 +233,7 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
                         lambda bv=bv, warps=warps, stream=stream, stages=stages: fu(
                             *raw, *weights, *tails, conv_reset, g, beta, s, scale=scale, block_v=bv, num_warps=warps,
                             stream=stream, stages=stages))
-        for bv in (32, 64, 128):   # the column blocks as programs of their own, the q/k tails shifted by ticket
+        for bv in (32, 64):   # the column blocks as programs of their own, the q/k tails shifted by ticket
             for warps in (2, 4, 8):
                 configs[f"fused split over column blocks, block_v={bv}, {warps} warps"] = (
                     lambda bv=bv, warps=warps: fu(*raw, *weights, *tails, conv_reset, g, beta, s, scale=scale,
@@ -328,6 +328,8 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
             if all(n.startswith("state_") for n in options):
                 xs = kt.kda_intra_triton(*args, scale=scale, scratch=torch.bfloat16)
                 states = torch.empty(H, -(-T // 64), D, D, dtype=torch.bfloat16, device=x["q"].device)
+                if kt.V3["u16"] == "U":   # U_n into its own bf16 buffer, as the forward does
+                    xs["U"] = torch.empty(xs["u"].shape, dtype=torch.bfloat16, device=x["q"].device)
                 launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
                 row(f"{name}: its state pass (S_n, U_n)", "forward",
                     lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,

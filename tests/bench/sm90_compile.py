@@ -246,8 +246,8 @@ def _kda_state(name, sc, block_v):
     if block_v == "auto":
         block_v, launch, prec["STATE"] = kt._auto_state(H, KDA_D, torch.device("cpu"))
     c = {**kt.state_config(KDA_D, KDA_D, ieee=name == "fp32", block_v=block_v), **launch}
-    ptrs = dict(w_ptr=sc, u_ptr=F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=sc,
-                U_ptr=sc if kt.V3["u16"] else F32)
+    ptrs = dict(w_ptr=sc, u_ptr=sc if kt.V3["u16"] is True else F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32,
+                h_ptr=sc, U_ptr=sc if kt.V3["u16"] else F32)
     consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, STORE=True, STATE=prec["STATE"], **common)
     return f"kda state pass (S_n, U_n) {name}, w/k~/S_n {sc[1:]} {c} dots {prec['STATE']}", report(
         kt._state_kernel, ptrs, dict(K=KDA_D, V=KDA_D, N=KDA_N), consts, num_warps=c["num_warps"],
@@ -365,10 +365,11 @@ def kda_bwd_saved():
     terms inside or split off (`kb.STATE_TERMS`, `_bwd_state_kernel`); bf16 and fp32."""
     N, C, KD = KDA_N, KDA_C, KDA_D
     prec, common = _kda_prec("bf16")
+    A16, U16 = (BF if kt.V3["a16"] else F32), (BF if kt.V3["u16"] else F32)   # the saved scratch's dtypes
     for bv, warps, stages, qd16, dh in ((32, 4, 1, False, F32), (32, 4, 1, True, F32), (64, 4, 1, False, F32),
                                         (64, 8, 1, False, F32), (64, 8, 1, True, F32), (16, 4, 1, False, F32),
                                         (32, 4, 2, False, F32), (64, 8, 1, False, BF)):
-        ptrs = dict(qd_ptr=BF, kd_ptr=BF, w_ptr=BF, A_ptr=F32, d_ptr=F32, do_ptr=BF, dsN_ptr=F32, dh_ptr=dh,
+        ptrs = dict(qd_ptr=BF, kd_ptr=BF, w_ptr=BF, A_ptr=A16, d_ptr=F32, do_ptr=BF, dsN_ptr=F32, dh_ptr=dh,
                     dU_ptr=F32, dh0_ptr=F32)
         consts = dict(C=C, BK=KD, BV=bv, HAS_DSN=True, HAS_DH0=True, QD16=qd16, STATE=prec["STATE"], **common)
         yield (f"kda reverse state pass (own) bf16, {bv} columns, {warps} warps, {stages} stages, q~ dO "
@@ -380,7 +381,7 @@ def kda_bwd_saved():
         prec, common = _kda_prec(name)
         pair = BF if prec["PAIR"] == "16" else F32
         c = kb.dqkg_config(C, KD, KD, ieee=name == "fp32")
-        ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, h_ptr=x,
+        ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=U16 if name == "bf16" else F32, h_ptr=x,
                     dh_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair, dL_ptr=pair, dAd_ptr=F32, dq_ptr=x, dk_ptr=x,
                     dg_ptr=F32, dbk_ptr=F32, dqs_ptr=F32, dks_ptr=F32, dgs_ptr=F32)
         for wide, split, bk, warps in ((False, False, 16, c["num_warps"]), (True, False, 16, c["num_warps"]),
@@ -395,7 +396,7 @@ def kda_bwd_saved():
                 kb._bwd_dqkg_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts, num_warps=warps,
                 num_stages=1)
     prec, common = _kda_prec("bf16")
-    ptrs = dict(q_ptr=BF, k_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, h_ptr=BF,
+    ptrs = dict(q_ptr=BF, k_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=U16, h_ptr=BF,
                 dh_ptr=F32, dU_ptr=F32, do_ptr=BF, dqs_ptr=F32, dks_ptr=F32, dgs_ptr=F32, dbs_ptr=F32)
     for bk, bv, warps in ((64, 64, 8), (32, 64, 4)):
         consts = dict(C=C, BK=bk, BV=bv, HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], **common)
