@@ -16,7 +16,7 @@ of S before its overwrite. With `split_v` the column blocks are programs of thei
 computes the q/k conv and norm itself (its v channels are its own, so it shifts their tail), and the q/k tails,
 which every program of the row and head reads, are shifted by the last of them to finish reading: each takes a
 ticket (an atomic add, acquire-release at GPU scope, after a barrier over its reads) on a per-(b, h) counter, the
-one that draws the last ticket shifts the tails and zeroes the counter for the next step. `kda_step_inplace_triton`
+one that draws the last ticket shifts the tails (each call zeroes its own counters first). `kda_step_inplace_triton`
 (no convs, q and k already normalized) has no tails and always splits V over the grid.
 
 **Numerics.** fp32 math; the state is fp32. With 16-bit activations the values are rounded where the torch path
@@ -93,7 +93,7 @@ if triton is not None:
         # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
         # [B, H, K] are normalized, v [B, H, V], reset [B] (HAS_RESET). g [B, H, K], beta [B, H], state
         # [B, H, K, V], o [B, H, V], all dense. CONV with SPLIT (several column splits): the q/k tails are shifted
-        # by the last program of the row and head to read them, by ticket [B·H] int32 (zero between launches).
+        # by the last program of the row and head to read them, by ticket [B·H] int32 (zeroed by the caller).
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -112,7 +112,6 @@ if triton is not None:
                     tl.debug_barrier()
                     _tail_shift(tq_ptr, t_q, x_q, b, h * K + kk, mk, H * K, W, BW)
                     _tail_shift(tk_ptr, t_k, x_k, b, h * K + kk, mk, H * K, W, BW)
-                    tl.store(ticket_ptr + bh, 0)
             else:
                 _tail_shift(tq_ptr, t_q, x_q, b, h * K + kk, mk, H * K, W, BW)
                 _tail_shift(tk_ptr, t_k, x_k, b, h * K + kk, mk, H * K, W, BW)
