@@ -3,9 +3,9 @@
 `kda_chunk_bwd_triton` gives the gradients of `kda_triton.kda_chunk_fwd_triton`'s (o, final state). Its first
 launches: the intra-chunk scratch again, with (I + L)⁻¹, in fp32, and the forward state pass storing every chunk's
 entering state S_n and U_n (or neither: `saved`, the forward's own scratch from `kda_chunk_fwd_saving`, bf16 w, q̃,
-k̃, S_n, U_n and Aqk for 16-bit inputs with `kda_triton.V3`'s defaults; `SAVE` picks for the op); the reverse state pass (`kda_triton._state_bwd_kernel`, or
-`_state_bwd2_kernel` here, which takes the tiles in their stored dtype: `REVERSE`; per row and block of state
-columns, chunks n = N−1..0 from dS_N, the final state's gradient)
+k̃, S_n, U_n and Aqk for 16-bit inputs with `kda_triton.V3`'s defaults; `SAVE` picks for the op); the reverse state
+pass (`kda_triton._state_bwd_kernel`, or `_state_bwd2_kernel` here, which takes the tiles in their stored dtype:
+`REVERSE`; per row and block of state columns, chunks n = N−1..0 from dS_N, the final state's gradient)
 
     dU_n = Aqk_nᵀ dO_n + k̃_n dS_{n+1},    dS_n = q̃_nᵀ dO_n + diag(d_n) dS_{n+1} − w_nᵀ dU_n,
 
@@ -387,7 +387,8 @@ intra-chunk kernel and the forward state pass again, in fp32: autograd holds onl
 
 SAVED = ("w", "qd", "kd", "u", "A", "d", "M", "states")
 """What `kda_chunk_fwd_saving` keeps, in this order in the op: w, q̃, k̃ [R, N, C, K], U_n ("u": the state pass's
-output, in its own bf16 buffer or over u as `V3["u16"]` says) [R, N, C, V], Aqk [R, N, C, C], d [R, N, K], (I + L)⁻¹ ("M") [R, N, C, C] and S_n ("states") [R, N, K, V]."""
+output, in its own bf16 buffer or over u as `V3["u16"]` says) [R, N, C, V], Aqk [R, N, C, C], d [R, N, K],
+(I + L)⁻¹ ("M") [R, N, C, C] and S_n ("states") [R, N, K, V]."""
 
 PAIRWISE = "wide"
 """How `_bwd_dqkg_kernel` lays out its pairwise sums over the C/BC anchor blocks: "batched" (one batched dot per

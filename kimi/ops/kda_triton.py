@@ -264,6 +264,16 @@ if triton is not None:
                  mask=(t < T)[:, None] & mv[None, :])
 
     @triton.jit
+    def _qkd_from_gamma(q, kt, gam, g_end, first, last, scale, rows, kk, mk, qd_ptr, kd_ptr, K,
+                        EMULATE: tl.constexpr):
+        """q̃ = s q e^{Γ_r} on the chunk's first segment and k̃ = k e^{Γ_{C−1} − Γ_j} on its last (a difference of
+        prefix sums: 16-bit inputs), stored at scratch rows `rows` in their pointers' dtype."""
+        qd = tl.where(first, scale * q * tl.exp(gam), 0.0)
+        kd = tl.where(last, kt * tl.exp(g_end[None, :] - gam), 0.0)
+        tl.store(qd_ptr + rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
+        tl.store(kd_ptr + rows[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
+
+    @triton.jit
     def _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, r_ptr, n, bh, K, V,
                 N, scale, valid, tok, first, last, n_seg, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
                 LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INVERSE: tl.constexpr, SOLVE: tl.constexpr,
@@ -302,17 +312,16 @@ if triton is not None:
             rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
             if QKD:
                 q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                qd = tl.where(first, scale * q * eg, 0.0)
-                if GAMMA:   # Γ_{C−1} − Γ_j: a difference of prefix sums (16-bit inputs only)
+                if GAMMA:
                     g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
-                    kd = tl.where(last, kt * tl.exp(g_end[None, :] - gam), 0.0)
-                else:
+                    _qkd_from_gamma(q, kt, gam, g_end, first, last, scale, out, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
+                else:   # k̃'s exponent a sum of exactly the gates after j
                     kd = tl.where(last, kt * tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)
                     g_end = tl.sum(g, 0)
-                tl.store(qd_ptr + out[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE),
-                         mask=mk)
-                tl.store(kd_ptr + out[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE),
-                         mask=mk)
+                    tl.store(qd_ptr + out[:, None] * K + kk[None, :],
+                             _to16(tl.where(first, scale * q * eg, 0.0), qd_ptr.dtype.element_ty, EMULATE), mask=mk)
+                    tl.store(kd_ptr + out[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE),
+                             mask=mk)
                 tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
             w = _dot(Mi, rhs, tl.zeros([C, BK], dtype=tl.float32), SOLVE, DT, EMULATE)
             tl.store(w_ptr + out[:, None] * K + kk[None, :], _to16(w, w_ptr.dtype.element_ty, EMULATE), mask=mk)
@@ -495,12 +504,8 @@ if triton is not None:
             s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
             if QKD:
                 g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
-                qd = tl.where((seg_a == 0)[:, None], scale * q_a * tl.exp(gam_a), 0.0)
-                kd = tl.where((seg_a == n_seg)[:, None], k_a * tl.exp(g_end[None, :] - gam_a), 0.0)
-                tl.store(qd_ptr + a_rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE),
-                         mask=mk)
-                tl.store(kd_ptr + a_rows[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE),
-                         mask=mk)
+                _qkd_from_gamma(q_a, k_a, gam_a, g_end, (seg_a == 0)[:, None], (seg_a == n_seg)[:, None], scale,
+                                a_rows, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
                 if a == NB - 1:
                     tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
         beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
@@ -706,10 +711,11 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
 
 def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
                 s0: Tensor | None, identity: bool, with_u: bool, states: Tensor | None = None,
-                block_v: int | str | None = None, launch: dict | None = None, dots: str | None = None) -> Tensor:
+                block_v: int | str | None = None, launch: dict | None = None, dots: str | None = None,
+                U: Tensor | None = None) -> Tensor:
     """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V].
-    `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n into x["U"]
-    if there is one, else over x["u"].
+    `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n into `U` (of
+    u's shape, `u_out_buffer`) or else over x["u"].
     block_v: the state columns of a program for 16-bit inputs (None: `state_config`'s own; "auto": `_auto_state`
     picks them, the launch and the dots by the shape); launch: num_warps and num_stages over `state_config`'s; dots:
     the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2" and "16" need bf16 w and k̃,
@@ -731,11 +737,18 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     s0_ptr = s0.contiguous() if s0 is not None else sN
     mode = 2 if identity else (1 if s0 is not None else 0)
     _state_kernel[(R, triton.cdiv(V, cfg["BV"]))](
-        x["w"], x["u"], x["kd"], x["d"], s0_ptr, sN, states if states is not None else sN, x.get("U", x["u"]), K, V,
-        N, C=C,
-        BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u, STORE=states is not None, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **prec)
+        x["w"], x["u"], x["kd"], x["d"], s0_ptr, sN, states if states is not None else sN,
+        U if U is not None else x["u"], K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u,
+        STORE=states is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **prec)
     return sN
+
+
+def u_out_buffer(x: dict[str, Tensor]) -> Tensor | None:
+    """The bf16 buffer the state pass writes U_n into beside the fp32 u (`V3["u16"] = "U"` with bf16 scratch), or
+    None (U_n over u)."""
+    if V3["u16"] == "U" and x["w"].dtype == torch.bfloat16:
+        return torch.empty(x["u"].shape, dtype=torch.bfloat16, device=x["u"].device)
+    return None
 
 
 def _auto_state(R: int, V: int, device: torch.device) -> tuple[int, dict, str]:
@@ -776,13 +789,12 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32,
                          device=q.device)
     launch = dict(num_warps=V3["state_warps"], num_stages=V3["state_stages"]) if s16 else None
-    if V3["u16"] == "U" and scratch == torch.bfloat16:   # U_n in bf16 beside the fp32 u, which it then replaces
-        x["U"] = torch.empty(x["u"].shape, dtype=scratch, device=q.device)
+    U = u_out_buffer(x)
     sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, states=states,
                      block_v=V3["state_block"], launch=launch,
-                     dots=V3["state_dots"] if scratch == torch.bfloat16 else None)
-    if "U" in x:
-        x["u"] = x.pop("U")
+                     dots=V3["state_dots"] if scratch == torch.bfloat16 else None, U=U)
+    if U is not None:   # U_n replaces u from here on
+        x["u"] = U
     _output_pass(x, states, o, q.dtype)
     return (o, sN, x, states) if residuals else (o, sN)
 

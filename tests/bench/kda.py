@@ -290,14 +290,14 @@ def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -
         lambda: kt.kda_intra_triton(*args, scale=scale, scratch=scratch))
     xs = kt.kda_intra_triton(*args, scale=scale, scratch=scratch)
     states = torch.empty(R, N, D, D, dtype=sd, device=x["q"].device)
-    if kt.V3["u16"] == "U" and scratch == torch.bfloat16:   # U_n into its own bf16 buffer, as the forward does
-        xs["U"] = torch.empty(xs["u"].shape, dtype=scratch, device=x["q"].device)
+    U = kt.u_out_buffer(xs)   # U_n into its own bf16 buffer where the forward writes it there
     launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
     row(f"{name}: its state pass (S_n, U_n)", "forward",
         lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
-                               states=states, block_v=kt.V3["state_block"], launch=launch, dots=kt.V3["state_dots"]))
-    if "U" in xs:
-        xs["u"] = xs.pop("U")
+                               states=states, block_v=kt.V3["state_block"], launch=launch, dots=kt.V3["state_dots"],
+                               U=U))
+    if U is not None:
+        xs["u"] = U
     o = torch.empty_like(x["v"])
     row(f"{name}: its output kernel", "forward", lambda: kt._output_pass(xs, states, o, x["q"].dtype))
 
@@ -328,13 +328,12 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
             if all(n.startswith("state_") for n in options):
                 xs = kt.kda_intra_triton(*args, scale=scale, scratch=torch.bfloat16)
                 states = torch.empty(H, -(-T // 64), D, D, dtype=torch.bfloat16, device=x["q"].device)
-                if kt.V3["u16"] == "U":   # U_n into its own bf16 buffer, as the forward does
-                    xs["U"] = torch.empty(xs["u"].shape, dtype=torch.bfloat16, device=x["q"].device)
+                U = kt.u_out_buffer(xs)
                 launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
                 row(f"{name}: its state pass (S_n, U_n)", "forward",
                     lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
                                            states=states, block_v=kt.V3["state_block"], launch=launch,
-                                           dots=kt.V3["state_dots"]))
+                                           dots=kt.V3["state_dots"], U=U))
                 del xs, states
                 continue
             row(f"{name}: its intra-chunk kernels", "forward",

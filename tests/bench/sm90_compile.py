@@ -381,7 +381,8 @@ def kda_bwd_saved():
         prec, common = _kda_prec(name)
         pair = BF if prec["PAIR"] == "16" else F32
         c = kb.dqkg_config(C, KD, KD, ieee=name == "fp32")
-        ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=U16 if name == "bf16" else F32, h_ptr=x,
+        ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32,
+                    U_ptr=U16 if name == "bf16" else F32, h_ptr=x,
                     dh_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair, dL_ptr=pair, dAd_ptr=F32, dq_ptr=x, dk_ptr=x,
                     dg_ptr=F32, dbk_ptr=F32, dqs_ptr=F32, dks_ptr=F32, dgs_ptr=F32)
         for wide, split, bk, warps in ((False, False, 16, c["num_warps"]), (True, False, 16, c["num_warps"]),
