@@ -86,7 +86,7 @@ def rel(a, b) -> float:
 
 
 def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton: bool, only_variants: bool = False,
-               variants: list | None = None) -> None:
+               variants: list | None = None, fla_safe_only: bool = False) -> None:
     dev = torch.device("cuda")
     x = inputs(T, H, D, dev)
     do = torch.randn_like(x["v"])
@@ -125,8 +125,9 @@ def chunk_rows(T: int, H: int, D: int, iters: int, chunk_kda, with_chunk_triton:
             f"{n} {rel(o, first):.1e}" for n, o in list(outs.items())[1:]), flush=True)
         return
     if chunk_kda is not None:
-        for name, kw in (("fla chunk_kda, safe gate -5", dict(safe_gate=True, lower_bound=-5.0)),
-                         ("fla chunk_kda, defaults", {})):
+        configs = (("fla chunk_kda, safe gate -5", dict(safe_gate=True, lower_bound=-5.0)),
+                   ("fla chunk_kda, defaults", {}))
+        for name, kw in configs[:1] if fla_safe_only else configs:
             def fwd(kw=kw):
                 with torch.no_grad():
                     return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=x["h0"],
@@ -276,7 +277,14 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "v6-2w": dict(strips="v6", strip_warps=2), "solve-bf16": dict(solve_dots="16"),
             # round 5: fp32 u, U_n and Aqk, q̃ / k̃ / d in the solve (the defaults before it); each change alone
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
-            "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False)}
+            "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
+            # the strips' diagonal block inverted in registers; the strips' key pieces of 16
+            "diag": dict(strips_diag=True), "diag-bk16": dict(strips_diag=True, block_k6=16),
+            "bk16": dict(block_k6=16), "diag-bk16-fuse": dict(strips_diag=True, block_k6=16, fuse_out=True,
+                                                              fuse_block=64, fuse_warps=4, fuse_stages=1),
+            # the state pass forming O_n itself (no S_n, U_n stored, no output kernel): columns, warps, stages
+            **{f"fuse-{bv}-{w}-{s}": dict(fuse_out=True, fuse_block=bv, fuse_warps=w, fuse_stages=s)
+               for bv, w, s in ((64, 4, 1), (64, 4, 2), (32, 4, 1), (32, 4, 2), (16, 4, 2))}}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
@@ -320,7 +328,7 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
                     return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale)
             outs[name] = fwd()[0]
             row(name, "forward", fwd)
-            if "scratch" in variant:
+            if "scratch" in variant or "fuse_out" in options:
                 continue
             if not options:
                 kernel_rows(x, T, H, D, scale, row, name)
@@ -352,6 +360,8 @@ def main() -> None:
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernels' launch configs")
     ap.add_argument("--no-fla-chunk", action="store_true",
                     help="skip fla's chunk_kda rows (its autotuning takes minutes a shape)")
+    ap.add_argument("--fla-safe-only", action="store_true",
+                    help="of fla's chunk_kda, only the safe-gate configuration (the faster one: half the autotuning)")
     ap.add_argument("--chunk-triton", action="store_true", help='also kda="chunk_triton" under torch.compile')
     ap.add_argument("--only-variants", action="store_true", help="only the rows of the forward's variants")
     ap.add_argument("--variants", nargs="*", default=None, help=f"of {list(VARIANTS)} (default: all)")
@@ -363,7 +373,7 @@ def main() -> None:
         chunk_kda = None
     for shape in a.shapes:
         T, H = (int(s) for s in shape.split("x"))
-        chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton, a.only_variants, a.variants)
+        chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton, a.only_variants, a.variants, a.fla_safe_only)
         torch.cuda.empty_cache()
     if not a.no_decode:
         decode_rows(64, 96, 128, a.iters, fused_recurrent_kda, a.decode_sweep)
