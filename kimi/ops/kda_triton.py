@@ -146,14 +146,11 @@ if triton is not None:
     @triton.jit
     def _state_kernel(w_ptr, u_ptr, kd_ptr, d_ptr, s0_ptr, sN_ptr, h_ptr, U_ptr, K, V, N, C: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, S0: tl.constexpr, HAS_U: tl.constexpr, STORE: tl.constexpr,
-                      STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr, qd_ptr=None, A_ptr=None,
-                      o_ptr=None, T=0, H=1, OUT: tl.constexpr = ""):
+                      STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
         # program (row bh, block of BV state columns); the state's K rows and BV columns stay in fp32 registers
         # through all chunks. S0: 0 zeros, 1 loaded from s0 [B·H, K, V], 2 the identity (the transition, V = K).
         # HAS_U False: u = 0. STORE: the state entering every chunk into h [B·H, N, K, V] (in its dtype), and
         # U_n into U (u itself or its own buffer, in its dtype: what `_output_kernel` and the backward read).
-        # OUT (the dots' operands, "16" or STATE's; "" none): also O_n = q̃_n S_n + Aqk_n U_n into o [B, T, H, V]
-        # from the registers, as `_output_kernel` forms it from the stored S_n and U_n.
         bh = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, C)
         kk = tl.arange(0, BK)
@@ -179,14 +176,6 @@ if triton is not None:
             if STORE:   # U_n in U's dtype; the update below takes the fp32 U
                 tl.store(U_ptr + rws[:, None] * V + vv[None, :], _to16(U, U_ptr.dtype.element_ty, EMULATE),
                          mask=mv[None, :])
-            if OUT != "":
-                A = tl.load(A_ptr + rws[:, None] * C + c[None, :])
-                o = _dot(A, U, tl.zeros([C, BV], dtype=tl.float32), OUT, DT, EMULATE)
-                qd = tl.load(qd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
-                o = _dot(qd, S, o, OUT, DT, EMULATE)
-                t = n * C + c
-                tl.store(o_ptr + (((bh // H) * T + t) * H + bh % H)[:, None] * V + vv[None, :],
-                         _to16(o, o_ptr.dtype.element_ty, EMULATE), mask=(t < T)[:, None] & mv[None, :])
             kd = tl.load(kd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             dn = tl.load(d_ptr + (bh * N + n) * K + kk, mask=mk, other=0.0)
             S = dn[:, None] * S + _dot(tl.trans(kd), U, tl.zeros([BK, BV], dtype=tl.float32), STATE, DT, EMULATE)
@@ -474,15 +463,14 @@ if triton is not None:
     def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, T, H, K, N,
                         scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
                         PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                        QKD: tl.constexpr = False, DIAG: tl.constexpr = False):
+                        QKD: tl.constexpr = False):
         # program (chunk n × query block a, row bh), `V3["strips"] = "v6"` (16-bit inputs): block a's rows of Aqk
         # and β·L against every key of the chunk, one [BC, C] dot per key piece (its diagonal block then inverted),
         # the anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r) instead of scans:
         # queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in block a). A
         # difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands' 16-bit rounding.
         # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
-        # only w and u). DIAG: L_aa taken out of the strip in registers (a reshape) and inverted there (else read
-        # back from M after the strip's store).
+        # only w and u).
         NB: tl.constexpr = C // BC
         n = tl.program_id(0) // NB
         a = tl.program_id(0) % NB
@@ -524,18 +512,10 @@ if triton is not None:
         same = seg_a[:, None] == seg[None, :]
         a_qk = tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0)
         tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
-        if DIAG:
-            tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
-                     tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0),
-                     mask=rows[None, :] < a * BC)
-            blk = tl.reshape(tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0),
-                             [BC, C // BC, BC])
-            nil = tl.sum(tl.where((tl.arange(0, C // BC) == a)[None, :, None], blk, 0.0), 1)
-        else:
-            tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
-                     tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
-            tl.debug_barrier()   # L_aa back as one [BC, BC] block
-            nil = tl.load(M_ptr + a_rows[:, None] * C + ra[None, :])
+        tl.store(M_ptr + a_rows[:, None] * C + rows[None, :],
+                 tl.where(same & (rows[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
+        tl.debug_barrier()   # L_aa back as one [BC, BC] block
+        nil = tl.load(M_ptr + a_rows[:, None] * C + ra[None, :])
         zb = tl.zeros([BC, BC], dtype=tl.float32)
         inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
         pw = nil
@@ -543,8 +523,7 @@ if triton is not None:
         for i in tl.static_range(3):   # (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
             pw = _dot(pw, pw, zb, SOLVE, DT, EMULATE)
             inv = _dot(inv, pw, inv, SOLVE, DT, EMULATE)
-        if not DIAG:
-            tl.debug_barrier()   # every thread has read L_aa
+        tl.debug_barrier()   # every thread has read L_aa
         tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
 
 _DT16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -627,8 +606,7 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_kw": 32, "num_warps": 4, "stages": 2,
       "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 4, "solve_warps": None,
-      "block_k4": 32, "block_k6": 32, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True,
-      "fuse_out": False, "fuse_block": 64, "fuse_warps": 8, "fuse_stages": 2, "strips_diag": False}
+      "block_k4": 32, "block_k6": 16, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
@@ -643,11 +621,7 @@ the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel`
 strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": bf16, as FLA's);
 "u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone
 (its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands);
-"strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only w and u; "strips_diag" (with "v6"): each strip
-takes its diagonal block L_aa out of the strip in registers and inverts it there (no store, barrier and reload);
-"fuse_out": a forward that keeps nothing for a backward forms O_n in the state pass (no S_n or U_n stored, no output
-kernel), with "fuse_block" state columns, "fuse_warps", "fuse_stages" (its dots `_auto_state`'s; fp32 inputs: the
-IEEE launch of `state_config`).
+"strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only w and u.
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
@@ -661,9 +635,7 @@ def _check_v3() -> None:
     if unknown:
         raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
     allowed = {"strips": ("v4", "v6"), "u16": (True, False, "U"), "a16": (True, False),
-               "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32"),
-               "fuse_out": (True, False), "fuse_block": (16, 32, 64), "fuse_warps": (4, 8),
-               "fuse_stages": (1, 2, 3), "strips_diag": (True, False)}
+               "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32")}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
     if bad:
         raise ValueError(f"kda_triton.V3: {bad} not among {({n: allowed[n] for n in bad})}")
@@ -719,7 +691,7 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
         _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
         _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
                               float(scale), BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
-                              QKD=V3["strips_qkd"], DIAG=V3["strips_diag"], **blocks)
+                              QKD=V3["strips_qkd"], **blocks)
     else:
         _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N, float(scale),
                               BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),
@@ -740,15 +712,14 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
 def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
                 s0: Tensor | None, identity: bool, with_u: bool, states: Tensor | None = None,
                 block_v: int | str | None = None, launch: dict | None = None, dots: str | None = None,
-                U: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+                U: Tensor | None = None) -> Tensor:
     """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V].
     `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n into `U` (of
     u's shape, `u_out_buffer`) or else over x["u"].
     block_v: the state columns of a program for 16-bit inputs (None: `state_config`'s own; "auto": `_auto_state`
     picks them, the launch and the dots by the shape); launch: num_warps and num_stages over `state_config`'s; dots:
     the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2" and "16" need bf16 w and k̃,
-    `_dot`). out [B, T, H, V]: also O_n = q̃_n S_n + Aqk_n U_n into it from the registers (`_state_kernel`'s OUT;
-    x["qd"] and x["A"] read, the separate `_output_pass` not needed)."""
+    `_dot`)."""
     R, N, C = x["w"].shape[:3]
     if block_v == "auto" and not x["w"].dtype == x["kd"].dtype == torch.bfloat16:
         # fp32 scratch (the backward's recompute): the launch measured correct on the H200; `_auto_state`'s
@@ -765,14 +736,10 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
     s0_ptr = s0.contiguous() if s0 is not None else sN
     mode = 2 if identity else (1 if s0 is not None else 0)
-    fused = {}
-    if out is not None:
-        o16 = dtype in _DT16 and x["qd"].dtype == x["A"].dtype == torch.bfloat16
-        fused = dict(qd_ptr=x["qd"], A_ptr=x["A"], o_ptr=out, T=T, H=H, OUT="16" if o16 else prec["STATE"])
     _state_kernel[(R, triton.cdiv(V, cfg["BV"]))](
         x["w"], x["u"], x["kd"], x["d"], s0_ptr, sN, states if states is not None else sN,
         U if U is not None else x["u"], K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u,
-        STORE=states is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fused, **prec)
+        STORE=states is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **prec)
     return sN
 
 
@@ -819,15 +786,9 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, scratch=scratch,
                          inverse=residuals)
     R, N, C = x["w"].shape[:3]
-    launch = dict(num_warps=V3["state_warps"], num_stages=V3["state_stages"]) if s16 else None
-    if V3["fuse_out"] and not residuals:   # nothing kept for a backward: O_n from the state pass's registers
-        sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True,
-                         block_v=V3["fuse_block"] if s16 else None, out=o,
-                         launch=dict(num_warps=V3["fuse_warps"], num_stages=V3["fuse_stages"]) if s16 else None,
-                         dots=_auto_state(R, V, q.device)[2] if scratch == torch.bfloat16 else None)
-        return o, sN
     states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32,
                          device=q.device)
+    launch = dict(num_warps=V3["state_warps"], num_stages=V3["state_stages"]) if s16 else None
     U = u_out_buffer(x)
     sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, states=states,
                      block_v=V3["state_block"], launch=launch,

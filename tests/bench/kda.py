@@ -278,13 +278,8 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             # round 5: fp32 u, U_n and Aqk, q̃ / k̃ / d in the solve (the defaults before it); each change alone
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
-            # the strips' diagonal block inverted in registers; the strips' key pieces of 16
-            "diag": dict(strips_diag=True), "diag-bk16": dict(strips_diag=True, block_k6=16),
-            "bk16": dict(block_k6=16), "diag-bk16-fuse": dict(strips_diag=True, block_k6=16, fuse_out=True,
-                                                              fuse_block=64, fuse_warps=4, fuse_stages=1),
-            # the state pass forming O_n itself (no S_n, U_n stored, no output kernel): columns, warps, stages
-            **{f"fuse-{bv}-{w}-{s}": dict(fuse_out=True, fuse_block=bv, fuse_warps=w, fuse_stages=s)
-               for bv, w, s in ((64, 4, 1), (64, 4, 2), (32, 4, 1), (32, 4, 2), (16, 4, 2))}}
+            # the v6 strips' key pieces (16 by default since KDA round 6)
+            "bk32": dict(block_k6=32)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
@@ -328,7 +323,7 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
                     return kt.kda_chunk_fwd_triton(*args, x["h0"], scale=scale)
             outs[name] = fwd()[0]
             row(name, "forward", fwd)
-            if "scratch" in variant or "fuse_out" in options:
+            if "scratch" in variant:
                 continue
             if not options:
                 kernel_rows(x, T, H, D, scale, row, name)

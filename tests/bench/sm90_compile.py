@@ -221,8 +221,7 @@ def _kda_intra(name, sc, inverse):
             kt._strips6_kernel, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
                                      qd_ptr=sc, kd_ptr=sc, d_ptr=F32),
             {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-            dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, DIAG=kt.V3["strips_diag"], **blocks), num_warps=warps,
-            num_stages=c["num_stages"])
+            dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, **blocks), num_warps=warps, num_stages=c["num_stages"])
     else:
         bk, warps = (kt.V3["block_k4"], kt.V3["strip_warps"]) if name == "bf16" else (16, 4)
         yield f"kda _strips4_kernel {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
@@ -249,25 +248,10 @@ def _kda_state(name, sc, block_v):
     c = {**kt.state_config(KDA_D, KDA_D, ieee=name == "fp32", block_v=block_v), **launch}
     ptrs = dict(w_ptr=sc, u_ptr=sc if kt.V3["u16"] is True else F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32,
                 h_ptr=sc, U_ptr=sc if kt.V3["u16"] else F32)
-    consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, STORE=True, STATE=prec["STATE"],
-                  qd_ptr=None, A_ptr=None, o_ptr=None, T=0, H=1, OUT="", **common)
+    consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, STORE=True, STATE=prec["STATE"], **common)
     return f"kda state pass (S_n, U_n) {name}, w/k~/S_n {sc[1:]} {c} dots {prec['STATE']}", report(
         kt._state_kernel, ptrs, dict(K=KDA_D, V=KDA_D, N=KDA_N), consts, num_warps=c["num_warps"],
         num_stages=c["num_stages"])
-
-
-def kda_fused():
-    """`_state_kernel` forming O_n itself (`kt.V3["fuse_out"]`: a forward with nothing kept), bf16 inputs and
-    scratch, `_auto_state`'s dots, over the column blocks, warps and stages the option takes."""
-    prec, common = _kda_prec("bf16")
-    dots = kt._auto_state(H, KDA_D, torch.device("cpu"))[2]
-    ptrs = dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=F32, U_ptr=F32, qd_ptr=BF,
-                A_ptr=BF, o_ptr=BF)
-    for bv, warps, stages in ((64, 4, 1), (64, 4, 2), (64, 8, 1), (32, 4, 1), (32, 4, 2), (16, 4, 2)):
-        consts = dict(C=KDA_C, BK=KDA_D, BV=bv, S0=1, HAS_U=True, STORE=False, STATE=dots, OUT="16", **common)
-        yield f"kda state pass forming O_n, BV={bv} warps={warps} stages={stages} dots {dots}", report(
-            kt._state_kernel, ptrs, dict(K=KDA_D, V=KDA_D, N=KDA_N, T=T, H=H), consts, num_warps=warps,
-            num_stages=stages)
 
 
 def kda_fwd():
@@ -424,7 +408,7 @@ def kda_bwd_saved():
 
 KERNELS = {"indexer": indexer, "indexer-select": indexer_select, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq,
            "sparse-dkv": sparse_dkv,
-           "kda-fwd": kda_fwd, "kda-fwd-v4": kda_fwd_v4, "kda-bwd": kda_bwd, "kda-bwd-saved": kda_bwd_saved, "kda-fused": kda_fused}
+           "kda-fwd": kda_fwd, "kda-fwd-v4": kda_fwd_v4, "kda-bwd": kda_bwd, "kda-bwd-saved": kda_bwd_saved}
 
 
 def main():
