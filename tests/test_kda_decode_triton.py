@@ -137,13 +137,6 @@ def test_decode_steps_with_cache_hints_and_pipelined_blocks(stages):
     _decode_steps("K=24, V=40 in blocks of 16, W=3", torch.bfloat16, stream=True, stages=stages)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_steps_split_over_column_blocks(dtype):
-    """`split_v`: three column blocks as three programs of each row and head, the shared q/k tails shifted by the
-    last of them to take a ticket; four steps in a row."""
-    _decode_steps("K=24, V=40 in blocks of 16, W=3", dtype, split_v=True)
-
-
 def _decode_steps(shape, dtype, **launch):
     B, H, K, V, W, block_v = SHAPES[shape]
     scale = K ** -0.5

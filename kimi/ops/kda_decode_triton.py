@@ -12,12 +12,9 @@ document start lies in (j, W−1] of `conv_reset`:
 **Kernel.** One program per (b, h) walks the V columns in blocks of BV (`decode_config`): the q/k conv and norm
 are computed once, then each [K, BV] block of S is loaded, updated in registers and stored back, so the state is read
 once and written once (the columns of S never mix); inside a program a barrier orders every read of a tail or a block
-of S before its overwrite. With `split_v` the column blocks are programs of their own, (b·H + h, column block): each
-computes the q/k conv and norm itself (its v channels are its own, so it shifts their tail), and the q/k tails,
-which every program of the row and head reads, are shifted by the last of them to finish reading: each takes a
-ticket (an atomic add, acquire-release at GPU scope, after a barrier over its reads) on a per-(b, h) counter, the
-one that draws the last ticket shifts the tails (each call zeroes its own counters first). `kda_step_inplace_triton`
-(no convs, q and k already normalized) has no tails and always splits V over the grid.
+of S before its overwrite. (Column blocks as programs of their own measured slower: each redoes the q/k conv and
+norm, docs/performance.md#kda.) `kda_step_inplace_triton` (no convs, q and k already normalized) has no tails and
+always splits V over the grid.
 
 **Numerics.** fp32 math; the state is fp32. With 16-bit activations the values are rounded where the torch path
 stores them in the activation dtype (conv outputs, normalized q and k, o), so the kernel computes what `kda_layer`
@@ -85,15 +82,14 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, tq_ptr, tk_ptr, tv_ptr, reset_ptr,
-                       g_ptr, beta_ptr, state_ptr, o_ptr, ticket_ptr, H, K, V, scale, eps,
+                       g_ptr, beta_ptr, state_ptr, o_ptr, H, K, V, scale, eps,
                        W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
                        CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                       STREAM: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr = False):
+                       STREAM: tl.constexpr, STAGES: tl.constexpr):
         # program (b·H + h, column split s): columns [s·NB·BV, (s+1)·NB·BV) of S in NB blocks of BV. With CONV
         # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
         # [B, H, K] are normalized, v [B, H, V], reset [B] (HAS_RESET). g [B, H, K], beta [B, H], state
-        # [B, H, K, V], o [B, H, V], all dense. CONV with SPLIT (several column splits): the q/k tails are shifted
-        # by the last program of the row and head to read them, by ticket [B·H] int32 (zeroed by the caller).
+        # [B, H, K, V], o [B, H, V], all dense. CONV: one column split (the program shifts the q/k tails).
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -106,15 +102,8 @@ if triton is not None:
             q = _l2norm(yq, eps, DT, EMULATE)
             k = _l2norm(yk, eps, DT, EMULATE)
             tl.debug_barrier()   # every thread has read the q/k tails
-            if SPLIT:   # the last program of (b, h) to get here shifts them (module docstring)
-                last = tl.atomic_add(ticket_ptr + bh, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1
-                if last:
-                    tl.debug_barrier()
-                    _tail_shift(tq_ptr, t_q, x_q, b, h * K + kk, mk, H * K, W, BW)
-                    _tail_shift(tk_ptr, t_k, x_k, b, h * K + kk, mk, H * K, W, BW)
-            else:
-                _tail_shift(tq_ptr, t_q, x_q, b, h * K + kk, mk, H * K, W, BW)
-                _tail_shift(tk_ptr, t_k, x_k, b, h * K + kk, mk, H * K, W, BW)
+            _tail_shift(tq_ptr, t_q, x_q, b, h * K + kk, mk, H * K, W, BW)
+            _tail_shift(tk_ptr, t_k, x_k, b, h * K + kk, mk, H * K, W, BW)
         else:
             if HAS_RESET:
                 keep = tl.load(reset_ptr + b) == 0
@@ -170,32 +159,28 @@ STREAM = False
 
 
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
-            split_v, stream=None, stages=1):
+            stream=None, stages=1):
     B, H, K, V = state.shape
-    BK, BV, warps = decode_config(K, V, fused=not split_v or conv)
+    BK, BV, warps = decode_config(K, V, fused=conv)
     if block_v is not None or num_warps is not None:   # a benchmark's choice
         if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
             raise ValueError(f"kda decode: block_v={block_v} must be a power of two")
         BV, warps = block_v or BV, num_warps or warps
     NV = triton.cdiv(V, BV)
-    NB, splits = (1, NV) if split_v else (NV, 1)
-    # the split fused step's counters, zeroed by this call (a memset a CUDA graph captures with the step): a step's
-    # own, so steps on other streams or graphs never share one
-    tickets = torch.zeros(B * H, dtype=torch.int32, device=state.device) if conv and splits > 1 else None
+    NB, splits = (NV, 1) if conv else (1, NV)   # the fused step walks its column blocks, the plain one splits them
     if B * H:
         _decode_kernel[(B * H, splits)](
-            q, k, v, *weights, *tails, reset, g, beta, state, o,
-            tickets if tickets is not None else o, H, K, V, scale, eps,
+            q, k, v, *weights, *tails, reset, g, beta, state, o, H, K, V, scale, eps,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
-            STAGES=stages, SPLIT=conv and splits > 1, num_warps=warps)
+            STAGES=stages, num_warps=warps)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
                            v_weight: Tensor, q_tail: Tensor, k_tail: Tensor, v_tail: Tensor, conv_reset: Tensor,
                            g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
                            block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None,
-                           stages: int = 1, split_v: bool = False) -> Tensor:
+                           stages: int = 1) -> Tensor:
     """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
 
     Args:
@@ -210,8 +195,7 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         state [B, H, K, V] float32, contiguous: the recurrent state, updated in place.
         scale: the query scale (K^-1/2); eps: `l2norm`'s (inside the sqrt).
         block_v, num_warps: override `decode_config`; stream: cache hints (`STREAM`); stages: the column-block
-            loop's software-pipelining depth; split_v: the column blocks as programs of their own, the q/k tails
-            shifted by ticket (module docstring) (benchmarks).
+            loop's software-pipelining depth (benchmarks).
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """
@@ -238,7 +222,7 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         t.contiguous() for t in (q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, g, beta))
     _launch(q_raw, k_raw, v_raw, (q_weight, k_weight, v_weight), (q_tail, k_tail, v_tail),
             conv_reset.contiguous().view(torch.uint8), g, beta, state, o, scale=scale, eps=eps, W=W, conv=True,
-            block_v=block_v, num_warps=num_warps, split_v=split_v, stream=stream, stages=stages)
+            block_v=block_v, num_warps=num_warps, stream=stream, stages=stages)
     return o
 
 
@@ -262,7 +246,7 @@ def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     if reset is not None:
         reset = reset.contiguous().view(torch.uint8)
     _launch(q, k, v, (None,) * 3, (None,) * 3, reset, g, beta, state, o, scale=scale, eps=0.0, W=1, conv=False,
-            block_v=block_v, num_warps=num_warps, split_v=True, stream=stream)
+            block_v=block_v, num_warps=num_warps, stream=stream)
     return o
 
 

@@ -205,9 +205,6 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
     rows["ours kda_decode_step_triton (convs + norms + step, in place)"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale))
-    rows["ours kda_decode_step_triton, split over 64-column blocks (4 warps)"] = (
-        lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
-                                                         scale=scale, split_v=True, block_v=64, num_warps=4))
     rows["ours kda_decode_step_triton, streaming cache hints"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale, stream=True))
@@ -234,11 +231,6 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
                         lambda bv=bv, warps=warps, stream=stream, stages=stages: fu(
                             *raw, *weights, *tails, conv_reset, g, beta, s, scale=scale, block_v=bv, num_warps=warps,
                             stream=stream, stages=stages))
-        for bv in (32, 64):   # the column blocks as programs of their own, the q/k tails shifted by ticket
-            for warps in (2, 4, 8):
-                configs[f"fused split over column blocks, block_v={bv}, {warps} warps"] = (
-                    lambda bv=bv, warps=warps: fu(*raw, *weights, *tails, conv_reset, g, beta, s, scale=scale,
-                                                  block_v=bv, num_warps=warps, split_v=True))
         times: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(3):   # rounds over all configs: the GPU's drift lands on every config alike
             for name, fn in configs.items():
