@@ -3,6 +3,7 @@
     PYTHONPATH=. python tests/bench/kda.py                         # H200: T = 8192, H = 96 and the decode step
     PYTHONPATH=. python tests/bench/kda.py --shapes 8192x96 32768x32 65536x8 --chunk-triton
     PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --variants defaults v4
+    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-variants --variants defaults bk32 --rounds 5
 
 fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
 by default.
@@ -12,7 +13,8 @@ fp32 log-decay g from K3's bounded gate (lower bound -5), fp32 beta, an fp32 ini
 returned. Rows: fla's `chunk_kda` with its defaults and with `safe_gate=True, lower_bound=-5` (when fla imports),
 the project's `Backend(kda="triton")` (the op `kimi::kda_triton`: forward, its three kernels timed apart, and
 forward+backward), the forward with each of `VARIANTS`' options of kda_triton.V3 (`--variants` picking some;
-`--only-variants`: only those) and, with `--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile
+`--only-variants`: only those; `--rounds`: also their forwards in interleaved rounds, the fair comparison on a GPU
+whose timings drift) and, with `--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile
 (minutes of compile).
 
 Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's `fused_recurrent_kda` (state in,
@@ -338,6 +340,34 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
             kt.V3.update(saved)
 
 
+def interleaved_rows(x: dict, scale: float, variants: list, rounds: int, iters: int) -> None:
+    """The whole forward of each of `variants` (names of VARIANTS), timed in `rounds` interleaved rounds (every
+    variant once a round, V3 set around each call): this GPU's drift between and within calls (6-8 %) lands on every
+    variant alike. Medians over the rounds, each against the first variant named."""
+    from kimi.ops import kda_triton as kt
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
+    saved = dict(kt.V3)
+
+    def timed(options):
+        kt.V3.update(options)
+        try:
+            with torch.no_grad():
+                return measure(lambda: kt.kda_chunk_fwd_triton(*args, scale=scale), iters)[0]
+        finally:
+            kt.V3.clear()
+            kt.V3.update(saved)
+    times = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            times[v].append(timed(VARIANTS[v]))
+    med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+    first = med[variants[0]]
+    print(f"\nforward, {rounds} interleaved rounds, median ms (spread) and against {variants[0]}:", flush=True)
+    print("| variant | ms | min-max | ratio |\n|---|---|---|---|", flush=True)
+    for v in variants:
+        print(f"| {v} | {med[v]:.3f} | {min(times[v]):.3f}-{max(times[v]):.3f} | {med[v] / first:.3f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="*", default=["8192x96"],
@@ -352,6 +382,8 @@ def main() -> None:
     ap.add_argument("--chunk-triton", action="store_true", help='also kda="chunk_triton" under torch.compile')
     ap.add_argument("--only-variants", action="store_true", help="only the rows of the forward's variants")
     ap.add_argument("--variants", nargs="*", default=None, help=f"of {list(VARIANTS)} (default: all)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="also time the named --variants' forwards in this many interleaved rounds (medians)")
     a = ap.parse_args()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
@@ -361,6 +393,11 @@ def main() -> None:
     for shape in a.shapes:
         T, H = (int(s) for s in shape.split("x"))
         chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton, a.only_variants, a.variants, a.fla_safe_only)
+        if a.rounds and a.variants:
+            bad = [v for v in a.variants if v not in VARIANTS]
+            if bad:
+                ap.error(f"--variants {bad}: not among {list(VARIANTS)}")
+            interleaved_rows(inputs(T, H, 128, torch.device("cuda")), 128 ** -0.5, a.variants, a.rounds, a.iters)
         torch.cuda.empty_cache()
     if not a.no_decode:
         decode_rows(64, 96, 128, a.iters, fused_recurrent_kda, a.decode_sweep)
