@@ -29,10 +29,13 @@ C = 64); then w = (I + L)⁻¹ R_w and u = (I + L)⁻¹ R_u as dots with it. For
 `_gamma_kernel` first stores each chunk's prefix sums Γ and `_strips6_kernel` takes every factor from them,
 e^{Γ_r − Γ_{n_a}} and e^{Γ_{n_a} − Γ_j}, in one [BC, C] dot per key piece, and forms q̃, k̃ and d from the rows it
 holds: no scans, at the price of differences of prefix sums (off by an ulp of |Γ| ≤ 5·C, far below the operands'
-16-bit rounding). fp32 inputs (and `V3["strips"] = "v4"`) run `_strips4_kernel`, which meets the keys one block b
-of BC rows at a time (a [BC, BC] dot per key piece, only 16-row scans: the keys carry e^{g(j, m_b]}, summed within
-b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the whole blocks between), so that every exponent is a sum over
-exactly the gates it spans (gates are ≤ 0: these sums do not cancel), and also writes q̃, k̃ and d.
+16-bit rounding). With `V3["strips"] = "v7"` the same kernel scans each key piece's gates itself (no
+`_gamma_kernel`, no Γ in memory) and writes w's right side β K e^{Γ} for the solve, which then reads neither Γ nor
+k (a candidate: the scan costs the strips registers). fp32 inputs (and `V3["strips"] = "v4"`) run
+`_strips4_kernel`, which meets the keys one block b of BC rows at a time (a [BC, BC] dot per key piece, only
+16-row scans: the keys carry e^{g(j, m_b]}, summed within b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the
+whole blocks between), so that every exponent is a sum over exactly the gates it spans (gates are ≤ 0: these sums
+do not cancel), and also writes q̃, k̃ and d.
 The sequential pass, `_state_kernel` (one program per sequence × head and block of state columns), carries its
 block of S through the chunks in fp32 registers, storing S_n and U_n, and `_output_kernel`, one program per (chunk,
 sequence × head, column block), forms O_n = q̃_n S_n + Aqk_n U_n from them in parallel.
@@ -280,9 +283,10 @@ if triton is not None:
                 DT: tl.constexpr, EMULATE: tl.constexpr, QKD: tl.constexpr, GAMMA: tl.constexpr):
         """Chunk n's (I + L)⁻¹ from the strips' M (β·L with (I + L_aa)⁻¹ on the diagonal blocks), by the doubling of
         the module docstring from level LOG_BC = log2(BC) on, each level reading its coupling afresh; written over M
-        if INVERSE. Then w and u as dots with it, and q̃, k̃, d if QKD (else the strips wrote them). GAMMA: r holds
-        Γ (`_gamma_kernel`; 16-bit inputs), and k̃ takes e^{Γ_{C−1} − Γ_j}; else Γ and the suffix sums are scans of
-        g here (sums of exactly the gates spanned)."""
+        if INVERSE. Then w and u as dots with it, and q̃, k̃, d if QKD (else the strips wrote them). GAMMA 1: r holds
+        Γ (`_gamma_kernel`; 16-bit inputs), and k̃ takes e^{Γ_{C−1} − Γ_j}; 2: r holds w's right side β k e^{Γ}
+        (the v7 strips; QKD False); 0: Γ and the suffix sums are scans of g here (sums of exactly the gates
+        spanned)."""
         rows = tl.arange(0, C)
         out = (bh * N + n) * C + rows
         r2 = rows[:, None]
@@ -302,17 +306,20 @@ if triton is not None:
             kk = k0 + tl.arange(0, BK)
             mk = kk[None, :] < K
             m = valid[:, None] & mk
-            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-            if GAMMA:   # Γ from `_gamma_kernel` in r
-                gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
+            if GAMMA == 2:   # w's right side from the v7 strips in r
+                rhs = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
             else:
-                g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                gam = tl.cumsum(g, 0)
-            eg = tl.exp(gam)                                                      # e^{Γ_r}
-            rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
+                kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                if GAMMA == 1:   # Γ from `_gamma_kernel` in r
+                    gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
+                else:
+                    g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                    gam = tl.cumsum(g, 0)
+                eg = tl.exp(gam)                                                  # e^{Γ_r}
+                rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
             if QKD:
                 q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                if GAMMA:
+                if GAMMA == 1:
                     g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
                     _qkd_from_gamma(q, kt, gam, g_end, first, last, scale, out, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
                 else:   # k̃'s exponent a sum of exactly the gates after j
@@ -463,14 +470,17 @@ if triton is not None:
     def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, T, H, K, N,
                         scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
                         PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                        QKD: tl.constexpr = False):
+                        QKD: tl.constexpr = False, SCAN: tl.constexpr = False, g_ptr=None, rhs_ptr=None):
         # program (chunk n × query block a, row bh), `V3["strips"] = "v6"` (16-bit inputs): block a's rows of Aqk
         # and β·L against every key of the chunk, one [BC, C] dot per key piece (its diagonal block then inverted),
         # the anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r) instead of scans:
         # queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in block a). A
         # difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands' 16-bit rounding.
         # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
-        # only w and u).
+        # only w and u). SCAN ("v7", with QKD): Γ from the gates g [B, T, H, K] by a scan of the chunk's rows here
+        # (no `_gamma_kernel`, r unused), block a's rows as the sum of the earlier rows' gates plus a 16-row scan
+        # (their differences with the chunk's scan off by an ulp of Γ, as above), and w's right side β k e^{Γ} of
+        # its rows (zero past the first segment) into rhs [B·H, N, C, K], so that the solve needs no Γ.
         NB: tl.constexpr = C // BC
         n = tl.program_id(0) // NB
         a = tl.program_id(0) % NB
@@ -489,26 +499,45 @@ if triton is not None:
         upto = (valid & (rows < a * BC + BC))[:, None]                       # the keys the strip meets
         s_kk = tl.zeros([BC, C], dtype=tl.float32)
         s_qk = tl.zeros([BC, C], dtype=tl.float32)
+        if SCAN:
+            beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             mk = (kk < K)[None, :]
-            gam = tl.load(r_ptr + c_rows[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
-            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
-            g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
+            if SCAN:
+                gt = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0)
+                gam = tl.cumsum(gt.to(tl.float32), 0)
+                g_end = tl.sum(gt.to(tl.float32), 0)
+                g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+                gam_a = tl.sum(tl.where((rows < a * BC)[:, None], gt.to(tl.float32), 0.0), 0)[None, :] + \
+                    tl.cumsum(g_a, 0)
+                g_na = tl.sum(tl.where((lr == 0)[:, None], gam_a, 0.0), 0)
+                kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
+            else:
+                gam = tl.load(r_ptr + c_rows[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
+                kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
+                g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
             k_an = tl.where(upto, kt * tl.exp(tl.where(upto, g_na[None, :] - gam, 0.0)), 0.0)
-            gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
+            if not SCAN:
+                gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
             e = tl.exp(gam_a - g_na[None, :])
             q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
             s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
+            if SCAN:
+                rhs = tl.where((seg_a == 0)[:, None], beta_a[:, None] * k_a * tl.exp(gam_a), 0.0)
+                tl.store(rhs_ptr + a_rows[:, None] * K + kk[None, :], _to16(rhs, rhs_ptr.dtype.element_ty, EMULATE),
+                         mask=mk)
             if QKD:
-                g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
+                if not SCAN:
+                    g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
                 _qkd_from_gamma(q_a, k_a, gam_a, g_end, (seg_a == 0)[:, None], (seg_a == n_seg)[:, None], scale,
                                 a_rows, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
                 if a == NB - 1:
                     tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
-        beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
+        if not SCAN:
+            beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
         same = seg_a[:, None] == seg[None, :]
         a_qk = tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0)
         tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
@@ -615,7 +644,9 @@ and output dots then round their operands to TF32 or take them as bf16) or "fp32
 "x2": w and k̃ as they are stored, S_n and U_n split in two bf16 parts, more exact than TF32 with no fp32 copy of w
 and k̃ in registers; "16": S_n and U_n rounded to bf16, as FLA's state pass); "state_block" "auto": `_auto_state`
 picks the columns, warps, stages and dots by the shape (the other three options then unused);
-the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel` with key pieces of "block_k6") or
+the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel` with key pieces of "block_k6"),
+"v7" (`_strips6_kernel` scanning the gates itself and handing the solve w's right side: no Γ in memory; q̃, k̃, d
+always in the strips) or
 "v4" (`_strips4_kernel`, key pieces of "block_k4"; what fp32 inputs run), "strip_warps" their warps; the solve's
 "block_kw" (w's key piece), "num_warps" ("solve_warps" over it), "stages" (software pipelining of the loads, the
 strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": bf16, as FLA's);
@@ -634,7 +665,7 @@ def _check_v3() -> None:
     unknown = sorted(set(V3) - _V3_KEYS)
     if unknown:
         raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
-    allowed = {"strips": ("v4", "v6"), "u16": (True, False, "U"), "a16": (True, False),
+    allowed = {"strips": ("v4", "v6", "v7"), "u16": (True, False, "U"), "a16": (True, False),
                "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32")}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
     if bad:
@@ -683,9 +714,15 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     cfg = solve_config(C, K, V, ieee=ieee)
     dots = _dots(q.dtype, "pair", "solve")
     blocks = dict(C=C, BC=SUB_CHUNK, HAS_RESET=reset is not None, num_stages=cfg["num_stages"], **dots)
-    v6 = V3["strips"] == "v6" and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
+    v6 = V3["strips"] in ("v6", "v7") and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
+    v7 = v6 and V3["strips"] == "v7"
     grid = (N * (C // SUB_CHUNK), R)
-    if v6:
+    if v7:   # Γ scanned in the strips, which hand the solve w's right side
+        x["R"] = torch.empty(R, N, C, K, **s16)
+        _strips6_kernel[grid](q, k, beta, rst, g, x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
+                              float(scale), BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
+                              QKD=True, SCAN=True, g_ptr=g, rhs_ptr=x["R"], **blocks)
+    elif v6:
         x["R"] = torch.empty(R, N, C, K, **f32)
         bg = min(_pow2(K), 64)
         _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
@@ -701,7 +738,8 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
         solve["SOLVE"] = V3["solve_dots"]
     _solve3_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"], x.get("R", x["M"]),
                            T, H, K, V, N, float(scale), BK=cfg["BKW"], BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1,
-                           LEVELS=C.bit_length() - 1, INVERSE=inverse, QKD=v6 and not V3["strips_qkd"], GAMMA=v6,
+                           LEVELS=C.bit_length() - 1, INVERSE=inverse, QKD=v6 and not v7 and not V3["strips_qkd"],
+                           GAMMA=2 if v7 else int(v6),
                            num_warps=V3["solve_warps"] or cfg["num_warps"] if not ieee else cfg["num_warps"], **solve)
     x.pop("R", None)
     if not inverse:

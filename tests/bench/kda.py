@@ -3,7 +3,7 @@
     PYTHONPATH=. python tests/bench/kda.py                         # H200: T = 8192, H = 96 and the decode step
     PYTHONPATH=. python tests/bench/kda.py --shapes 8192x96 32768x32 65536x8 --chunk-triton
     PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --variants defaults v4
-    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-variants --variants defaults bk32 --rounds 5
+    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-variants --variants defaults v7 --rounds 5
 
 fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
 by default.
@@ -273,7 +273,9 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
             # the v6 strips' key pieces (16 by default since KDA round 6)
-            "bk32": dict(block_k6=32)}
+            "bk32": dict(block_k6=32),
+            # the gates scanned in the strips, w's right side handed to the solve (no _gamma_kernel, no Γ in memory)
+            "v7": dict(strips="v7"), "v7-2w": dict(strips="v7", strip_warps=2)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:

@@ -210,9 +210,18 @@ def _kda_intra(name, sc, inverse):
     blocks = dict(C=KDA_C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
     s16 = name == "bf16" and sc == BF
     a_ptr = BF if s16 and kt.V3["a16"] else F32
-    v6 = name == "bf16" and kt.V3["strips"] == "v6"
-    qkd_strips = not v6 or kt.V3["strips_qkd"]
-    if v6:
+    v6 = name == "bf16" and kt.V3["strips"] in ("v6", "v7")
+    v7 = v6 and kt.V3["strips"] == "v7"
+    qkd_strips = not v6 or v7 or kt.V3["strips_qkd"]
+    if v7:
+        bk, warps = kt.V3["block_k6"], kt.V3["strip_warps"]
+        yield f"kda _strips6_kernel v7 (scan, w's right side) {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
+            kt._strips6_kernel, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
+                                     qd_ptr=sc, kd_ptr=sc, d_ptr=F32, g_ptr=F32, rhs_ptr=sc),
+            {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
+            dict(BK=bk, PAIR=prec["PAIR"], QKD=True, SCAN=True, **blocks), num_warps=warps,
+            num_stages=c["num_stages"])
+    elif v6:
         yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
                                                         dict(T=T, H=H, K=KDA_D, N=KDA_N), dict(C=KDA_C, BK=64),
                                                         num_warps=4)
@@ -221,7 +230,8 @@ def _kda_intra(name, sc, inverse):
             kt._strips6_kernel, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
                                      qd_ptr=sc, kd_ptr=sc, d_ptr=F32),
             {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-            dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, **blocks), num_warps=warps, num_stages=c["num_stages"])
+            dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, SCAN=False, g_ptr=None, rhs_ptr=None, **blocks),
+            num_warps=warps, num_stages=c["num_stages"])
     else:
         bk, warps = (kt.V3["block_k4"], kt.V3["strip_warps"]) if name == "bf16" else (16, 4)
         yield f"kda _strips4_kernel {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
@@ -231,11 +241,12 @@ def _kda_intra(name, sc, inverse):
             num_warps=warps, num_stages=c["num_stages"])
     ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc,
                 u_ptr=BF if s16 and kt.V3["u16"] is True else F32, qd_ptr=sc, kd_ptr=sc, d_ptr=F32, M_ptr=F32,
-                r_ptr=F32)
+                r_ptr=sc if v7 else F32)
     label = f"kda solve {name}{', (I+L)^-1' if inverse else ''}, scratch {sc[1:]} {c}"
     yield label, report(kt._solve3_kernel, ptrs, scalars,
                         dict(BK=c["BKW"], BV=c["BV"], LOG_BC=4, LEVELS=6, INVERSE=inverse, QKD=not qkd_strips,
-                             GAMMA=v6, **blocks), num_warps=c["num_warps"], num_stages=c["num_stages"])
+                             GAMMA=2 if v7 else int(v6), **blocks), num_warps=c["num_warps"],
+                        num_stages=c["num_stages"])
 
 
 def _kda_state(name, sc, block_v):
