@@ -287,6 +287,7 @@ if triton is not None:
         Γ (`_gamma_kernel`; 16-bit inputs), and k̃ takes e^{Γ_{C−1} − Γ_j}; 2: r holds w's right side β k e^{Γ}
         (the v7 strips; QKD False); 0: Γ and the suffix sums are scans of g here (sums of exactly the gates
         spanned)."""
+        tl.static_assert(not (QKD and GAMMA == 2))   # v7's right side comes with q̃, k̃ and d from the strips
         rows = tl.arange(0, C)
         out = (bh * N + n) * C + rows
         r2 = rows[:, None]
@@ -480,7 +481,8 @@ if triton is not None:
         # only w and u). SCAN ("v7", with QKD): Γ from the gates g [B, T, H, K] by a scan of the chunk's rows here
         # (no `_gamma_kernel`, r unused), block a's rows as the sum of the earlier rows' gates plus a 16-row scan
         # (their differences with the chunk's scan off by an ulp of Γ, as above), and w's right side β k e^{Γ} of
-        # its rows (zero past the first segment) into rhs [B·H, N, C, K], so that the solve needs no Γ.
+        # its rows (zero past the first segment) into rhs [B·H, N, C, K] in its dtype (the scratch's: bf16 in the
+        # forward, where v6's solve rounds it to TF32), so that the solve needs no Γ.
         NB: tl.constexpr = C // BC
         n = tl.program_id(0) // NB
         a = tl.program_id(0) % NB
@@ -645,8 +647,8 @@ and output dots then round their operands to TF32 or take them as bf16) or "fp32
 and k̃ in registers; "16": S_n and U_n rounded to bf16, as FLA's state pass); "state_block" "auto": `_auto_state`
 picks the columns, warps, stages and dots by the shape (the other three options then unused);
 the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel` with key pieces of "block_k6"),
-"v7" (`_strips6_kernel` scanning the gates itself and handing the solve w's right side: no Γ in memory; q̃, k̃, d
-always in the strips) or
+"v7" (`_strips6_kernel` scanning the gates itself and handing the solve w's right side, in the scratch dtype: no
+Γ in memory; q̃, k̃, d always in the strips, "strips_qkd" must stay True) or
 "v4" (`_strips4_kernel`, key pieces of "block_k4"; what fp32 inputs run), "strip_warps" their warps; the solve's
 "block_kw" (w's key piece), "num_warps" ("solve_warps" over it), "stages" (software pipelining of the loads, the
 strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": bf16, as FLA's);
@@ -670,6 +672,8 @@ def _check_v3() -> None:
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
     if bad:
         raise ValueError(f"kda_triton.V3: {bad} not among {({n: allowed[n] for n in bad})}")
+    if V3["strips"] == "v7" and not V3["strips_qkd"]:
+        raise ValueError("kda_triton.V3: strips='v7' forms q~, k~ and d in the strips; strips_qkd=False is v6's")
 
 
 def _dots(dtype: torch.dtype, *which: str) -> dict:
@@ -684,8 +688,8 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
                      scale: float, chunk_size: int = 64, inverse: bool = False,
                      scratch: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """The intra-chunk quantities of every chunk (module docstring): the strips (one program per chunk, query block
-    of 16 rows and sequence × head; for 16-bit inputs after `_gamma_kernel`), then the solve (one per chunk and
-    sequence × head).
+    of 16 rows and sequence × head; for 16-bit inputs after `_gamma_kernel`, or scanning the gates themselves with
+    `V3["strips"] = "v7"`), then the solve (one per chunk and sequence × head).
 
     q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], reset [B, T] bool or None. Returns tensors over rows
     R = B·H (b-major) and chunks N = ⌈T / C⌉ (the last chunk zero-padded): w, q̃ ("qd"), k̃ ("kd") [R, N, C, K]

@@ -387,6 +387,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=0,
                     help="also time the named --variants' forwards in this many interleaved rounds (medians)")
     a = ap.parse_args()
+    unknown = [v for v in a.variants or () if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants {unknown}: not among {list(VARIANTS)}")
+    if a.rounds and not a.variants:
+        ap.error("--rounds times the named --variants: name at least one")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     chunk_kda, fused_recurrent_kda = fla_module()
@@ -395,10 +400,7 @@ def main() -> None:
     for shape in a.shapes:
         T, H = (int(s) for s in shape.split("x"))
         chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton, a.only_variants, a.variants, a.fla_safe_only)
-        if a.rounds and a.variants:
-            bad = [v for v in a.variants if v not in VARIANTS]
-            if bad:
-                ap.error(f"--variants {bad}: not among {list(VARIANTS)}")
+        if a.rounds:
             interleaved_rows(inputs(T, H, 128, torch.device("cuda")), 128 ** -0.5, a.variants, a.rounds, a.iters)
         torch.cuda.empty_cache()
     if not a.no_decode:

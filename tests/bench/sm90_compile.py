@@ -201,8 +201,8 @@ def _kda_prec(name):
 
 def _kda_intra(name, sc, inverse):
     """The intra-chunk launches as `kt.kda_intra_triton` runs them for `name` inputs ("bf16": `_gamma_kernel`,
-    `_strips6_kernel`, the solve reading Γ; "fp32": `_strips4_kernel`, the solve) with scratch `sc`, (I+L)^-1 stored
-    or not."""
+    `_strips6_kernel`, the solve reading Γ; with `V3["strips"] = "v7"` the strips scanning the gates and the solve
+    reading w's right side; "fp32": `_strips4_kernel`, the solve) with scratch `sc`, (I+L)^-1 stored or not."""
     x = BF if name == "bf16" else F32
     prec, common = _kda_prec(name)
     c = kt.solve_config(KDA_C, KDA_D, KDA_D, ieee=name == "fp32")
@@ -354,7 +354,8 @@ def kda_fwd_v4():
             report(kt._strips6_kernel, dict(q_ptr=BF, k_ptr=BF, beta_ptr=F32, reset_ptr=I32, r_ptr=F32,
                                             A_ptr=BF if a16 else F32, M_ptr=F32, qd_ptr=BF, kd_ptr=BF, d_ptr=F32),
                    {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-                   dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd, **blocks), num_warps=4, num_stages=2)
+                   dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd, SCAN=False, g_ptr=None, rhs_ptr=None, **blocks),
+                   num_warps=4, num_stages=2)
     for qkd, u in ((True, F32), (False, F32), (False, BF)):
         ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=BF, u_ptr=u,
                     qd_ptr=BF, kd_ptr=BF, d_ptr=F32, M_ptr=F32, r_ptr=F32)
