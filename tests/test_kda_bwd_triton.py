@@ -93,7 +93,7 @@ def test_backward_matches_float64_recurrence(case, dtype):
 @pytest.mark.parametrize("variant", ["recompute", "saved", "recompute, own reverse pass, auto columns, wide pairwise",
                                      "saved, 16-column reverse blocks, bf16 dS, q~ dO on bf16",
                                      "saved, state terms split, wide pairwise, auto columns, bf16 dS",
-                                     "recompute, v7 strips", "saved, v7 strips"])
+                                     "saved, v7 strips"])
 def test_backward_head_dim_128(variant, monkeypatch):
     """K = V = 128 in bf16 (eight key blocks, two value blocks per program), a document start inside the short
     chunk; the scratch recomputed or the forward's (`kda_chunk_fwd_saving`), the reverse state pass's variants

@@ -114,13 +114,15 @@ def test_forward_matches_float64_recurrence(case, dtype):
         assert rel_err(S.cpu(), S_ref) <= 4 * rel_err(S_c.cpu(), S_ref) + 1e-6
 
 
-@pytest.mark.parametrize("case", ["documents in a row, near-zero / -5 gates", "saturated at -5, no initial state"])
-@pytest.mark.parametrize("strips", ["v4", "v7"])
-def test_forward_strips_variants(case, strips, monkeypatch):
+@pytest.mark.parametrize("strips, case", [("v4", "documents in a row, near-zero / -5 gates"),
+                                          ("v4", "saturated at -5, no initial state"),
+                                          ("v7", "documents in a row, near-zero / -5 gates")])
+def test_forward_strips_variants(strips, case, monkeypatch):
     """The strips the defaults do not run for 16-bit inputs (kda_triton.V3["strips"]; the defaults: "v6" for 16-bit
     inputs, its prefix sums from `_gamma_kernel`, and "v4" for fp32 ones): "v4" and "v7" (the gates scanned in the
-    strips, w's right side handed to the solve) in bf16, on two of the cases above: documents at and inside chunk
-    edges with mixed gates, gates at the bound, partial chunks (at K = 128: test_forward_options)."""
+    strips, w's right side handed to the solve) in bf16, on cases above: documents at and inside chunk edges with
+    mixed gates, gates at the bound, partial chunks (v4 at K = 128: test_forward_options; v7 against v6:
+    test_v7_strips_equal_v6_on_the_intra_quantities)."""
     monkeypatch.setitem(kt.V3, "strips", strips)
     x, reset, (o_ref, S_ref), chunk = _forward_case(case, torch.bfloat16)
     o, S = _call(kt.kda_chunk_fwd_triton, x, reset)
@@ -166,7 +168,8 @@ def test_forward_options(monkeypatch):
     """The forward's options (kda_triton.V3) at K = V = 128 in bf16, a document start inside a chunk: v4's strips
     with other w pieces and fp32 scratch and states, or with the state pass's "x2" dots in 16-column blocks; the
     state pass's bf16 dots; the solve's bf16 dots; u as well as U_n in bf16 with q̃, k̃ and d from the solve; fp32
-    u, U_n and Aqk; the v7 strips; each within the bf16 tolerance of the float64 recurrence;
+    u, U_n and Aqk; each within the bf16 tolerance of the float64 recurrence (the v7 strips:
+    test_forward_strips_variants, test_v7_strips_equal_v6_on_the_intra_quantities);
     the default bf16 scratch really rounded (it differs from the fp32 scratch's result). Two gate kinds as two
     heads."""
     T = 80
@@ -178,7 +181,7 @@ def test_forward_options(monkeypatch):
     for options in (dict(strips="v4", block_kw=16, scratch="fp32", states="fp32"),
                     dict(strips="v4", block_kw=64, state_dots="x2", state_block=16, state_warps=8, state_stages=2),
                     dict(state_dots="16", state_block=32), dict(solve_dots="16", block_kw=64),
-                    dict(u16=True, strips_qkd=False), dict(u16=False, a16=False), dict(strips="v7")):
+                    dict(u16=True, strips_qkd=False), dict(u16=False, a16=False)):
         with monkeypatch.context() as mp:
             for name, value in options.items():
                 mp.setitem(kt.V3, name, value)
