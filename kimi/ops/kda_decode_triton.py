@@ -11,10 +11,11 @@ document start lies in (j, W−1] of `conv_reset`:
 
 **Kernel.** One program per (b, h) walks the V columns in blocks of BV (`decode_config`): the q/k conv and norm
 are computed once, then each [K, BV] block of S is loaded, updated in registers and stored back, so the state is read
-once and written once (the columns of S never mix); inside a program a barrier orders every read of a tail or a block
-of S before its overwrite. (Column blocks as programs of their own measured slower: each redoes the q/k conv and
-norm, docs/performance.md#kda.) `kda_step_inplace_triton` (no convs, q and k already normalized) has no tails and
-always splits V over the grid.
+once and written once (the columns of S never mix). Splitting V over programs instead would let one program shift a
+q/k tail that another has yet to read (sharing the shift by ticket measured slower: every program redoes the q/k
+conv and norm, docs/performance.md#kda); inside a program a barrier orders every read of a tail or a block of S
+before its overwrite. `kda_step_inplace_triton` (no convs, q and k already normalized) has no tails and splits V
+over the grid, (b·H + h, column block).
 
 **Numerics.** fp32 math; the state is fp32. With 16-bit activations the values are rounded where the torch path
 stores them in the activation dtype (conv outputs, normalized q and k, o), so the kernel computes what `kda_layer`
@@ -34,11 +35,10 @@ if triton is not None:
     from .kda_triton import _to16
 
     @triton.jit
-    def _conv_read(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr,
-                   DT: tl.constexpr, EMULATE: tl.constexpr):
-        """silu(causal conv) of row b's new token over channels ch [BC] (mask m), as fp32 rounded to DT, and what
-        `_tail_shift` writes back: (y, the tail rows t [BW, BC], the new raw input x). x [B, C], tail [B, W−1, C],
-        weights [C, 1, W], reset [B, W]."""
+    def _conv_token(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr,
+                    DT: tl.constexpr, EMULATE: tl.constexpr):
+        """silu(causal conv) of row b's new token over channels ch [BC] (mask m), as fp32 rounded to DT; shifts the
+        tail [B, W−1, C] by one in place (the new raw input last). x [B, C], weights [C, 1, W], reset [B, W]."""
         j = tl.arange(0, BW)                                   # tail rows = window positions 0..W-2
         rows = j < W - 1
         later = tl.load(reset_ptr + b * W + j[None, :], mask=(j[None, :] > j[:, None]) & (j[None, :] < W), other=0)
@@ -51,28 +51,12 @@ if triton is not None:
         w_last = tl.load(w_ptr + ch * W + (W - 1), mask=m, other=0.0).to(tl.float32)
         y = tl.sum(tl.where(alive[:, None], t.to(tl.float32) * w, 0.0), 0) + w_last * x.to(tl.float32)
         y = y * tl.sigmoid(y)
-        return _to16(y, DT, EMULATE).to(tl.float32), t, x
-
-    @triton.jit
-    def _tail_shift(tail_ptr, t, x, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr):
-        """The tail [B, W−1, C] of row b over channels ch shifted by one in place, from its rows t as read and the
-        new raw input x (last)."""
-        j = tl.arange(0, BW)
-        m2 = (j < W - 1)[:, None] & m[None, :]
-        tail_rows = tail_ptr + (b * (W - 1) + j[:, None]) * C + ch[None, :]
-        tl.store(tail_rows - C, t, mask=m2 & (j[:, None] >= 1))
-        tl.store(tail_ptr + (b * (W - 1) + W - 2) * C + ch, x, mask=m)
-
-    @triton.jit
-    def _conv_token(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr,
-                    DT: tl.constexpr, EMULATE: tl.constexpr):
-        """`_conv_read`'s y, the tail shifted (`_tail_shift`) once every thread has read it."""
-        y, t, x = _conv_read(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W, BW, DT, EMULATE)
         # Every thread holding a tail element must have read it before any thread overwrites it (a layout may
         # replicate elements across warps).
         tl.debug_barrier()
-        _tail_shift(tail_ptr, t, x, b, ch, m, C, W, BW)
-        return y
+        tl.store(tail_rows - C, t, mask=m2 & (j[:, None] >= 1))
+        tl.store(tail_ptr + (b * (W - 1) + W - 2) * C + ch, x, mask=m)
+        return _to16(y, DT, EMULATE).to(tl.float32)
 
     @triton.jit
     def _l2norm(x, eps, DT: tl.constexpr, EMULATE: tl.constexpr):
@@ -97,13 +81,10 @@ if triton is not None:
         mk = kk < K
         if CONV:
             keep = tl.load(reset_ptr + b * W + (W - 1)) == 0
-            yq, t_q, x_q = _conv_read(q_ptr, tq_ptr, wq_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE)
-            yk, t_k, x_k = _conv_read(k_ptr, tk_ptr, wk_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE)
-            q = _l2norm(yq, eps, DT, EMULATE)
-            k = _l2norm(yk, eps, DT, EMULATE)
-            tl.debug_barrier()   # every thread has read the q/k tails
-            _tail_shift(tq_ptr, t_q, x_q, b, h * K + kk, mk, H * K, W, BW)
-            _tail_shift(tk_ptr, t_k, x_k, b, h * K + kk, mk, H * K, W, BW)
+            q = _l2norm(_conv_token(q_ptr, tq_ptr, wq_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
+                        eps, DT, EMULATE)
+            k = _l2norm(_conv_token(k_ptr, tk_ptr, wk_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
+                        eps, DT, EMULATE)
         else:
             if HAS_RESET:
                 keep = tl.load(reset_ptr + b) == 0

@@ -506,13 +506,13 @@ if triton is not None:
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             mk = (kk < K)[None, :]
+            # k's load sits at its place in each branch: v6's order keeps it at 128 registers (138 with the load first)
             if SCAN:
-                gt = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0)
-                gam = tl.cumsum(gt.to(tl.float32), 0)
-                g_end = tl.sum(gt.to(tl.float32), 0)
+                gt = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0).to(tl.float32)
+                gam = tl.cumsum(gt, 0)
+                g_end = tl.sum(gt, 0)
                 g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
-                gam_a = tl.sum(tl.where((rows < a * BC)[:, None], gt.to(tl.float32), 0.0), 0)[None, :] + \
-                    tl.cumsum(g_a, 0)
+                gam_a = tl.sum(tl.where((rows < a * BC)[:, None], gt, 0.0), 0)[None, :] + tl.cumsum(g_a, 0)
                 g_na = tl.sum(tl.where((lr == 0)[:, None], gam_a, 0.0), 0)
                 kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
             else:
@@ -721,18 +721,15 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     v6 = V3["strips"] in ("v6", "v7") and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
     v7 = v6 and V3["strips"] == "v7"
     grid = (N * (C // SUB_CHUNK), R)
-    if v7:   # Γ scanned in the strips, which hand the solve w's right side
-        x["R"] = torch.empty(R, N, C, K, **s16)
-        _strips6_kernel[grid](q, k, beta, rst, g, x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
-                              float(scale), BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
-                              QKD=True, SCAN=True, g_ptr=g, rhs_ptr=x["R"], **blocks)
-    elif v6:
-        x["R"] = torch.empty(R, N, C, K, **f32)
-        bg = min(_pow2(K), 64)
-        _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
+    if v6:   # "R": v6's prefix sums Γ (fp32), or v7's right side for the solve (the strips scan Γ themselves)
+        x["R"] = torch.empty(R, N, C, K, **(s16 if v7 else f32))
+        if not v7:
+            bg = min(_pow2(K), 64)
+            _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
         _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
                               float(scale), BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
-                              QKD=V3["strips_qkd"], **blocks)
+                              QKD=V3["strips_qkd"], SCAN=v7, g_ptr=g if v7 else None,
+                              rhs_ptr=x["R"] if v7 else None, **blocks)
     else:
         _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N, float(scale),
                               BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),

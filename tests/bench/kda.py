@@ -33,6 +33,7 @@ written once (805 MB at B = 64, H = 96).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -301,6 +302,19 @@ def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -
     row(f"{name}: its output kernel", "forward", lambda: kt._output_pass(xs, states, o, x["q"].dtype))
 
 
+@contextlib.contextmanager
+def v3_options(options: dict):
+    """kda_triton.V3 with `options` over it for the block, as it was afterwards."""
+    from kimi.ops import kda_triton as kt
+    saved = dict(kt.V3)
+    kt.V3.update(options)
+    try:
+        yield
+    finally:
+        kt.V3.clear()
+        kt.V3.update(saved)
+
+
 def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict, variants: list | None) -> None:
     """The forward with kda_triton.V3's options (`variants`: names of VARIANTS; None: all but "defaults"), whole
     and, for the intra-chunk options, its intra-chunk kernels."""
@@ -309,9 +323,7 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
     for variant, options in VARIANTS.items():
         if (variants is None and variant == "defaults") or (variants is not None and variant not in variants):
             continue
-        saved = dict(kt.V3)
-        kt.V3.update(options)
-        try:
+        with v3_options(options):
             name = f"ours, V3 {variant}"
 
             def fwd():
@@ -337,9 +349,6 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
                 continue
             row(f"{name}: its intra-chunk kernels", "forward",
                 lambda: kt.kda_intra_triton(*args, scale=scale, scratch=torch.bfloat16))
-        finally:
-            kt.V3.clear()
-            kt.V3.update(saved)
 
 
 def interleaved_rows(x: dict, scale: float, variants: list, rounds: int, iters: int) -> None:
@@ -348,16 +357,10 @@ def interleaved_rows(x: dict, scale: float, variants: list, rounds: int, iters: 
     variant alike. Medians over the rounds, each against the first variant named."""
     from kimi.ops import kda_triton as kt
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
-    saved = dict(kt.V3)
 
     def timed(options):
-        kt.V3.update(options)
-        try:
-            with torch.no_grad():
-                return measure(lambda: kt.kda_chunk_fwd_triton(*args, scale=scale), iters)[0]
-        finally:
-            kt.V3.clear()
-            kt.V3.update(saved)
+        with v3_options(options), torch.no_grad():
+            return measure(lambda: kt.kda_chunk_fwd_triton(*args, scale=scale), iters)[0]
     times = {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
