@@ -557,6 +557,80 @@ if triton is not None:
         tl.debug_barrier()   # every thread has read L_aa
         tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
 
+    @triton.jit
+    def _intra8_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, reset_ptr, r_ptr, w_ptr, u_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr,
+                       d_ptr, T, H, K, V, N, scale, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
+                       LEVELS: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
+                       HAS_RESET: tl.constexpr, INVERSE: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr,
+                       DT: tl.constexpr, EMULATE: tl.constexpr):
+        # program (chunk n, row bh), `V3["strips"] = "v8"` (16-bit inputs, after `_gamma_kernel`): every query
+        # block's strip of Aqk and β·L at once, as one batched dot per key piece ([NB, BC, BK] rows anchored at
+        # their block's first row n_a, times [NB, BK, C] keys anchored at each n_a: the v6 strips' factors), q̃, k̃
+        # and d, then the solve of `_solve3` in registers (no β·L through memory) and w, u.
+        NB: tl.constexpr = C // BC
+        n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
+        rows = tl.arange(0, C)
+        blk = tl.arange(0, NB)
+        out = (bh * N + n) * C + rows
+        anc = (bh * N + n) * C + blk * BC                                      # the anchors' scratch rows
+        first = (seg == 0)[:, None]
+        keys = ((rows[None, :] < (blk[:, None] + 1) * BC) & valid[None, :])[:, None, :]   # [NB, 1, C]
+        s_kk = tl.zeros([NB, BC, C], dtype=tl.float32)
+        s_qk = tl.zeros([NB, BC, C], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = (kk < K)[None, :]
+            gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)              # Γ [C, BK]
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0).to(tl.float32)
+            g_na = tl.load(r_ptr + anc[:, None] * K + kk[None, :], mask=mk, other=0.0)             # [NB, BK]
+            m3 = keys & mk[:, :, None]
+            k_an = tl.where(m3, tl.trans(kt)[None, :, :] * tl.exp(
+                tl.where(m3, g_na[:, :, None] - tl.trans(gam)[None, :, :], 0.0)), 0.0)         # [NB, BK, C]
+            e = tl.exp(tl.reshape(gam, [NB, BC, BK]) - g_na[:, None, :])                           # ≤ 1
+            s_kk = _dot(tl.reshape(kt, [NB, BC, BK]) * e, k_an, s_kk, PAIR, DT, EMULATE)
+            s_qk = _dot(tl.reshape(q, [NB, BC, BK]) * e, k_an, s_qk, PAIR, DT, EMULATE)
+            g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
+            _qkd_from_gamma(q, kt, gam, g_end, first, (seg == n_seg)[:, None], scale, out, kk, mk, qd_ptr, kd_ptr,
+                            K, EMULATE)
+            tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
+        r2 = rows[:, None]
+        c2 = rows[None, :]
+        same = seg[:, None] == seg[None, :]
+        beta = tl.load(beta_ptr + tok, mask=valid, other=0.0).to(tl.float32)
+        tl.store(A_ptr + out[:, None] * C + c2, _to16(tl.where(same & (c2 <= r2), tl.reshape(s_qk, [C, C]) * scale,
+                                                                0.0), A_ptr.dtype.element_ty, EMULATE))
+        L = tl.where(same & (c2 < r2), tl.reshape(s_kk, [C, C]) * beta[:, None], 0.0)
+        z = tl.zeros([C, C], dtype=tl.float32)
+        nil = tl.where(r2 // BC == c2 // BC, L, 0.0)     # the diagonal blocks, inverted as the strips do
+        Mi = (r2 == c2).to(tl.float32) - nil
+        pw = nil
+        for i in tl.static_range(LOG_BC - 1):   # (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
+            pw = _dot(pw, pw, z, SOLVE, DT, EMULATE)
+            Mi = _dot(Mi, pw, Mi, SOLVE, DT, EMULATE)
+        for lvl in tl.static_range(LOG_BC, LEVELS):
+            s = 1 << lvl
+            E = tl.where((r2 // (2 * s) == c2 // (2 * s)) & ((r2 // s) % 2 == 1) & ((c2 // s) % 2 == 0), L, 0.0)
+            Mi = Mi - _dot(Mi, _dot(E, Mi, z, SOLVE, DT, EMULATE), z, SOLVE, DT, EMULATE)
+        if INVERSE:
+            tl.store(M_ptr + out[:, None] * C + c2, Mi)
+        for k0 in range(0, K, BKW):
+            kk = k0 + tl.arange(0, BKW)
+            mk = (kk < K)[None, :]
+            gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0).to(tl.float32)
+            w = _dot(Mi, tl.where(first, beta[:, None] * kt * tl.exp(gam), 0.0), tl.zeros([C, BKW], dtype=tl.float32),
+                     SOLVE, DT, EMULATE)
+            tl.store(w_ptr + out[:, None] * K + kk[None, :], _to16(w, w_ptr.dtype.element_ty, EMULATE), mask=mk)
+        for v0 in range(0, V, BV):
+            vv = v0 + tl.arange(0, BV)
+            mv = vv[None, :] < V
+            v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
+            u = _dot(Mi, beta[:, None] * v, tl.zeros([C, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
+            tl.store(u_ptr + out[:, None] * V + vv[None, :], _to16(u, u_ptr.dtype.element_ty, EMULATE), mask=mv)
+
 _DT16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -667,7 +741,7 @@ def _check_v3() -> None:
     unknown = sorted(set(V3) - _V3_KEYS)
     if unknown:
         raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
-    allowed = {"strips": ("v4", "v6", "v7"), "u16": (True, False, "U"), "a16": (True, False),
+    allowed = {"strips": ("v4", "v6", "v7", "v8"), "u16": (True, False, "U"), "a16": (True, False),
                "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32")}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
     if bad:
@@ -718,9 +792,20 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     cfg = solve_config(C, K, V, ieee=ieee)
     dots = _dots(q.dtype, "pair", "solve")
     blocks = dict(C=C, BC=SUB_CHUNK, HAS_RESET=reset is not None, num_stages=cfg["num_stages"], **dots)
-    v6 = V3["strips"] in ("v6", "v7") and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
+    v6 = V3["strips"] in ("v6", "v7", "v8") and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
     v7 = v6 and V3["strips"] == "v7"
     grid = (N * (C // SUB_CHUNK), R)
+    if v6 and V3["strips"] == "v8":   # one program a chunk: the strips and the solve, Γ from `_gamma_kernel`
+        gam = torch.empty(R, N, C, K, **f32)
+        bg = min(_pow2(K), 64)
+        _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, gam, T, H, K, N, C=C, BK=bg, num_warps=4)
+        _intra8_kernel[(N, R)](q, k, v, beta, rst, gam, x["w"], x["u"], x["A"], x["M"], x["qd"], x["kd"], x["d"],
+                               T, H, K, V, N, float(scale), BK=min(_pow2(K), V3["block_k6"]), BKW=cfg["BKW"],
+                               BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1, LEVELS=C.bit_length() - 1,
+                               INVERSE=inverse, num_warps=V3["strip_warps"], **blocks)
+        if not inverse:
+            del x["M"]
+        return x
     if v6:   # "R": v6's prefix sums Γ (fp32), or v7's right side for the solve (the strips scan Γ themselves)
         x["R"] = torch.empty(R, N, C, K, **(s16 if v7 else f32))
         if not v7:

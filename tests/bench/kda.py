@@ -276,7 +276,11 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             # the v6 strips' key pieces (16 by default since KDA round 6)
             "bk32": dict(block_k6=32),
             # the gates scanned in the strips, w's right side handed to the solve (no _gamma_kernel, no Γ in memory)
-            "v7": dict(strips="v7"), "v7-2w": dict(strips="v7", strip_warps=2)}
+            "v7": dict(strips="v7"), "v7-2w": dict(strips="v7", strip_warps=2),
+            # one program a chunk: the strips as batched dots and the solve in registers (after _gamma_kernel)
+            "v8": dict(strips="v8"), "v8-8w": dict(strips="v8", strip_warps=8),
+            "v8-1s": dict(strips="v8", stages=1), "v8-8w-1s-kw16": dict(strips="v8", strip_warps=8, stages=1,
+                                                                         block_kw=16)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:

@@ -213,6 +213,15 @@ def _kda_intra(name, sc, inverse):
     v6 = name == "bf16" and kt.V3["strips"] in ("v6", "v7")
     v7 = v6 and kt.V3["strips"] == "v7"
     qkd_strips = not v6 or v7 or kt.V3["strips_qkd"]
+    if name == "bf16" and kt.V3["strips"] == "v8":
+        bk, warps = kt.V3["block_k6"], kt.V3["strip_warps"]
+        yield f"kda _intra8_kernel (strips and solve) {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
+            kt._intra8_kernel, dict(q_ptr=x, k_ptr=x, v_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, w_ptr=sc,
+                                    u_ptr=BF if s16 and kt.V3["u16"] is True else F32, A_ptr=a_ptr, M_ptr=F32,
+                                    qd_ptr=sc, kd_ptr=sc, d_ptr=F32),
+            scalars, dict(BK=bk, BKW=c["BKW"], BV=c["BV"], LOG_BC=4, LEVELS=6, INVERSE=inverse, PAIR=prec["PAIR"],
+                          **blocks), num_warps=warps, num_stages=c["num_stages"])
+        return
     if v7:
         bk, warps = kt.V3["block_k6"], kt.V3["strip_warps"]
         yield f"kda _strips6_kernel v7 (scan, w's right side) {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
@@ -426,7 +435,14 @@ KERNELS = {"indexer": indexer, "indexer-select": indexer_select, "sparse-fwd": s
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", nargs="*", help=f"of {list(KERNELS)} (default: all)")
+    ap.add_argument("--v3", nargs="*", default=[], metavar="OPTION=VALUE",
+                    help="kda_triton.V3 options for the KDA kernels (integers as such), e.g. strips=v8 strip_warps=8")
     a = ap.parse_args()
+    for opt in a.v3:
+        key, _, value = opt.partition("=")
+        if key not in kt.V3:
+            ap.error(f"--v3: unknown option {key!r} (the options: {sorted(kt.V3)})")
+        kt.V3[key] = int(value) if value.lstrip("-").isdigit() else value
     unknown = set(a.kernels) - set(KERNELS)
     if unknown:
         ap.error(f"unknown kernels {sorted(unknown)}: choose from {list(KERNELS)}")
