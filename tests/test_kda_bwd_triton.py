@@ -92,13 +92,11 @@ def test_backward_matches_float64_recurrence(case, dtype):
 
 @pytest.mark.parametrize("variant", ["recompute", "saved", "recompute, own reverse pass, auto columns, wide pairwise",
                                      "saved, 16-column reverse blocks, bf16 dS, q~ dO on bf16",
-                                     "saved, state terms split, wide pairwise, auto columns, bf16 dS",
-                                     "saved, v7 strips"])
+                                     "saved, state terms split, wide pairwise, auto columns, bf16 dS"])
 def test_backward_head_dim_128(variant, monkeypatch):
     """K = V = 128 in bf16 (eight key blocks, two value blocks per program), a document start inside the short
     chunk; the scratch recomputed or the forward's (`kda_chunk_fwd_saving`), the reverse state pass's variants
-    (`REVERSE`), the wide pairwise sums (`PAIRWISE`), the state's terms in their own launch (`STATE_TERMS`) and the
-    forward's v7 strips (`kda_triton.V3["strips"]`: Γ scanned in the strips, w's right side handed to the solve)."""
+    (`REVERSE`), the wide pairwise sums (`PAIRWISE`) and the state's terms in their own launch (`STATE_TERMS`)."""
     if "own" in variant:
         monkeypatch.setitem(kb.REVERSE, "kernel", "own")
     if "auto" in variant:
@@ -109,8 +107,6 @@ def test_backward_head_dim_128(variant, monkeypatch):
         monkeypatch.setitem(kb.STATE_TERMS, "split", True)
     if "bf16 dS" in variant:
         monkeypatch.setitem(kb.REVERSE, "dstates", "16")
-    if "v7" in variant:
-        monkeypatch.setitem(kt.V3, "strips", "v7")
     if "16-column" in variant:
         monkeypatch.setitem(kb.REVERSE, "block_v", 16)
         monkeypatch.setitem(kb.REVERSE, "qd16", True)

@@ -29,13 +29,10 @@ C = 64); then w = (I + L)⁻¹ R_w and u = (I + L)⁻¹ R_u as dots with it. For
 `_gamma_kernel` first stores each chunk's prefix sums Γ and `_strips6_kernel` takes every factor from them,
 e^{Γ_r − Γ_{n_a}} and e^{Γ_{n_a} − Γ_j}, in one [BC, C] dot per key piece, and forms q̃, k̃ and d from the rows it
 holds: no scans, at the price of differences of prefix sums (off by an ulp of |Γ| ≤ 5·C, far below the operands'
-16-bit rounding). With `V3["strips"] = "v7"` the same kernel scans each key piece's gates itself (no
-`_gamma_kernel`, no Γ in memory) and writes w's right side β K e^{Γ} for the solve, which then reads neither Γ nor
-k (a candidate: the scan costs the strips registers). fp32 inputs (and `V3["strips"] = "v4"`) run
-`_strips4_kernel`, which meets the keys one block b of BC rows at a time (a [BC, BC] dot per key piece, only
-16-row scans: the keys carry e^{g(j, m_b]}, summed within b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the
-whole blocks between), so that every exponent is a sum over exactly the gates it spans (gates are ≤ 0: these sums
-do not cancel), and also writes q̃, k̃ and d.
+16-bit rounding). fp32 inputs (and `V3["strips"] = "v4"`) run `_strips4_kernel`, which meets the keys one block b
+of BC rows at a time (a [BC, BC] dot per key piece, only 16-row scans: the keys carry e^{g(j, m_b]}, summed within
+b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the whole blocks between), so that every exponent is a sum over
+exactly the gates it spans (gates are ≤ 0: these sums do not cancel), and also writes q̃, k̃ and d.
 The sequential pass, `_state_kernel` (one program per sequence × head and block of state columns), carries its
 block of S through the chunks in fp32 registers, storing S_n and U_n, and `_output_kernel`, one program per (chunk,
 sequence × head, column block), forms O_n = q̃_n S_n + Aqk_n U_n from them in parallel.
@@ -283,11 +280,9 @@ if triton is not None:
                 DT: tl.constexpr, EMULATE: tl.constexpr, QKD: tl.constexpr, GAMMA: tl.constexpr):
         """Chunk n's (I + L)⁻¹ from the strips' M (β·L with (I + L_aa)⁻¹ on the diagonal blocks), by the doubling of
         the module docstring from level LOG_BC = log2(BC) on, each level reading its coupling afresh; written over M
-        if INVERSE. Then w and u as dots with it, and q̃, k̃, d if QKD (else the strips wrote them). GAMMA 1: r holds
-        Γ (`_gamma_kernel`; 16-bit inputs), and k̃ takes e^{Γ_{C−1} − Γ_j}; 2: r holds w's right side β k e^{Γ}
-        (the v7 strips; QKD False); 0: Γ and the suffix sums are scans of g here (sums of exactly the gates
-        spanned)."""
-        tl.static_assert(not (QKD and GAMMA == 2))   # v7's right side comes with q̃, k̃ and d from the strips
+        if INVERSE. Then w and u as dots with it, and q̃, k̃, d if QKD (else the strips wrote them). GAMMA: r holds
+        Γ (`_gamma_kernel`; 16-bit inputs), and k̃ takes e^{Γ_{C−1} − Γ_j}; else Γ and the suffix sums are scans of
+        g here (sums of exactly the gates spanned)."""
         rows = tl.arange(0, C)
         out = (bh * N + n) * C + rows
         r2 = rows[:, None]
@@ -307,20 +302,17 @@ if triton is not None:
             kk = k0 + tl.arange(0, BK)
             mk = kk[None, :] < K
             m = valid[:, None] & mk
-            if GAMMA == 2:   # w's right side from the v7 strips in r
-                rhs = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+            if GAMMA:   # Γ from `_gamma_kernel` in r
+                gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
             else:
-                kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                if GAMMA == 1:   # Γ from `_gamma_kernel` in r
-                    gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
-                else:
-                    g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                    gam = tl.cumsum(g, 0)
-                eg = tl.exp(gam)                                                  # e^{Γ_r}
-                rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
+                g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
+                gam = tl.cumsum(g, 0)
+            eg = tl.exp(gam)                                                      # e^{Γ_r}
+            rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
             if QKD:
                 q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                if GAMMA == 1:
+                if GAMMA:
                     g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
                     _qkd_from_gamma(q, kt, gam, g_end, first, last, scale, out, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
                 else:   # k̃'s exponent a sum of exactly the gates after j
@@ -471,18 +463,14 @@ if triton is not None:
     def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, T, H, K, N,
                         scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
                         PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                        QKD: tl.constexpr = False, SCAN: tl.constexpr = False, g_ptr=None, rhs_ptr=None):
+                        QKD: tl.constexpr = False):
         # program (chunk n × query block a, row bh), `V3["strips"] = "v6"` (16-bit inputs): block a's rows of Aqk
         # and β·L against every key of the chunk, one [BC, C] dot per key piece (its diagonal block then inverted),
         # the anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r) instead of scans:
         # queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in block a). A
         # difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands' 16-bit rounding.
         # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
-        # only w and u). SCAN ("v7", with QKD): Γ from the gates g [B, T, H, K] by a scan of the chunk's rows here
-        # (no `_gamma_kernel`, r unused), block a's rows as the sum of the earlier rows' gates plus a 16-row scan
-        # (their differences with the chunk's scan off by an ulp of Γ, as above), and w's right side β k e^{Γ} of
-        # its rows (zero past the first segment) into rhs [B·H, N, C, K] in its dtype (the scratch's: bf16 in the
-        # forward, where v6's solve rounds it to TF32), so that the solve needs no Γ.
+        # only w and u).
         NB: tl.constexpr = C // BC
         n = tl.program_id(0) // NB
         a = tl.program_id(0) % NB
@@ -501,45 +489,26 @@ if triton is not None:
         upto = (valid & (rows < a * BC + BC))[:, None]                       # the keys the strip meets
         s_kk = tl.zeros([BC, C], dtype=tl.float32)
         s_qk = tl.zeros([BC, C], dtype=tl.float32)
-        if SCAN:
-            beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             mk = (kk < K)[None, :]
-            # k's load sits at its place in each branch: v6's order keeps it at 128 registers (138 with the load first)
-            if SCAN:
-                gt = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0).to(tl.float32)
-                gam = tl.cumsum(gt, 0)
-                g_end = tl.sum(gt, 0)
-                g_a = tl.load(g_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
-                gam_a = tl.sum(tl.where((rows < a * BC)[:, None], gt, 0.0), 0)[None, :] + tl.cumsum(g_a, 0)
-                g_na = tl.sum(tl.where((lr == 0)[:, None], gam_a, 0.0), 0)
-                kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
-            else:
-                gam = tl.load(r_ptr + c_rows[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
-                kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
-                g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
+            gam = tl.load(r_ptr + c_rows[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
+            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
+            g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
             k_an = tl.where(upto, kt * tl.exp(tl.where(upto, g_na[None, :] - gam, 0.0)), 0.0)
-            if not SCAN:
-                gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
+            gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
             e = tl.exp(gam_a - g_na[None, :])
             q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
             s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
-            if SCAN:
-                rhs = tl.where((seg_a == 0)[:, None], beta_a[:, None] * k_a * tl.exp(gam_a), 0.0)
-                tl.store(rhs_ptr + a_rows[:, None] * K + kk[None, :], _to16(rhs, rhs_ptr.dtype.element_ty, EMULATE),
-                         mask=mk)
             if QKD:
-                if not SCAN:
-                    g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
+                g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
                 _qkd_from_gamma(q_a, k_a, gam_a, g_end, (seg_a == 0)[:, None], (seg_a == n_seg)[:, None], scale,
                                 a_rows, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
                 if a == NB - 1:
                     tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
-        if not SCAN:
-            beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
+        beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
         same = seg_a[:, None] == seg[None, :]
         a_qk = tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0)
         tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
@@ -556,80 +525,6 @@ if triton is not None:
             inv = _dot(inv, pw, inv, SOLVE, DT, EMULATE)
         tl.debug_barrier()   # every thread has read L_aa
         tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
-
-    @triton.jit
-    def _intra8_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, reset_ptr, r_ptr, w_ptr, u_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr,
-                       d_ptr, T, H, K, V, N, scale, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
-                       LEVELS: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
-                       HAS_RESET: tl.constexpr, INVERSE: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr,
-                       DT: tl.constexpr, EMULATE: tl.constexpr):
-        # program (chunk n, row bh), `V3["strips"] = "v8"` (16-bit inputs, after `_gamma_kernel`): every query
-        # block's strip of Aqk and β·L at once, as one batched dot per key piece ([NB, BC, BK] rows anchored at
-        # their block's first row n_a, times [NB, BK, C] keys anchored at each n_a: the v6 strips' factors), q̃, k̃
-        # and d, then the solve of `_solve3` in registers (no β·L through memory) and w, u.
-        NB: tl.constexpr = C // BC
-        n = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
-        rows = tl.arange(0, C)
-        blk = tl.arange(0, NB)
-        out = (bh * N + n) * C + rows
-        anc = (bh * N + n) * C + blk * BC                                      # the anchors' scratch rows
-        first = (seg == 0)[:, None]
-        keys = ((rows[None, :] < (blk[:, None] + 1) * BC) & valid[None, :])[:, None, :]   # [NB, 1, C]
-        s_kk = tl.zeros([NB, BC, C], dtype=tl.float32)
-        s_qk = tl.zeros([NB, BC, C], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            mk = (kk < K)[None, :]
-            gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)              # Γ [C, BK]
-            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0).to(tl.float32)
-            q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0).to(tl.float32)
-            g_na = tl.load(r_ptr + anc[:, None] * K + kk[None, :], mask=mk, other=0.0)             # [NB, BK]
-            m3 = keys & mk[:, :, None]
-            k_an = tl.where(m3, tl.trans(kt)[None, :, :] * tl.exp(
-                tl.where(m3, g_na[:, :, None] - tl.trans(gam)[None, :, :], 0.0)), 0.0)         # [NB, BK, C]
-            e = tl.exp(tl.reshape(gam, [NB, BC, BK]) - g_na[:, None, :])                           # ≤ 1
-            s_kk = _dot(tl.reshape(kt, [NB, BC, BK]) * e, k_an, s_kk, PAIR, DT, EMULATE)
-            s_qk = _dot(tl.reshape(q, [NB, BC, BK]) * e, k_an, s_qk, PAIR, DT, EMULATE)
-            g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
-            _qkd_from_gamma(q, kt, gam, g_end, first, (seg == n_seg)[:, None], scale, out, kk, mk, qd_ptr, kd_ptr,
-                            K, EMULATE)
-            tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
-        r2 = rows[:, None]
-        c2 = rows[None, :]
-        same = seg[:, None] == seg[None, :]
-        beta = tl.load(beta_ptr + tok, mask=valid, other=0.0).to(tl.float32)
-        tl.store(A_ptr + out[:, None] * C + c2, _to16(tl.where(same & (c2 <= r2), tl.reshape(s_qk, [C, C]) * scale,
-                                                                0.0), A_ptr.dtype.element_ty, EMULATE))
-        L = tl.where(same & (c2 < r2), tl.reshape(s_kk, [C, C]) * beta[:, None], 0.0)
-        z = tl.zeros([C, C], dtype=tl.float32)
-        nil = tl.where(r2 // BC == c2 // BC, L, 0.0)     # the diagonal blocks, inverted as the strips do
-        Mi = (r2 == c2).to(tl.float32) - nil
-        pw = nil
-        for i in tl.static_range(LOG_BC - 1):   # (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
-            pw = _dot(pw, pw, z, SOLVE, DT, EMULATE)
-            Mi = _dot(Mi, pw, Mi, SOLVE, DT, EMULATE)
-        for lvl in tl.static_range(LOG_BC, LEVELS):
-            s = 1 << lvl
-            E = tl.where((r2 // (2 * s) == c2 // (2 * s)) & ((r2 // s) % 2 == 1) & ((c2 // s) % 2 == 0), L, 0.0)
-            Mi = Mi - _dot(Mi, _dot(E, Mi, z, SOLVE, DT, EMULATE), z, SOLVE, DT, EMULATE)
-        if INVERSE:
-            tl.store(M_ptr + out[:, None] * C + c2, Mi)
-        for k0 in range(0, K, BKW):
-            kk = k0 + tl.arange(0, BKW)
-            mk = (kk < K)[None, :]
-            gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
-            kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=valid[:, None] & mk, other=0.0).to(tl.float32)
-            w = _dot(Mi, tl.where(first, beta[:, None] * kt * tl.exp(gam), 0.0), tl.zeros([C, BKW], dtype=tl.float32),
-                     SOLVE, DT, EMULATE)
-            tl.store(w_ptr + out[:, None] * K + kk[None, :], _to16(w, w_ptr.dtype.element_ty, EMULATE), mask=mk)
-        for v0 in range(0, V, BV):
-            vv = v0 + tl.arange(0, BV)
-            mv = vv[None, :] < V
-            v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
-            u = _dot(Mi, beta[:, None] * v, tl.zeros([C, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
-            tl.store(u_ptr + out[:, None] * V + vv[None, :], _to16(u, u_ptr.dtype.element_ty, EMULATE), mask=mv)
 
 _DT16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -710,7 +605,7 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 
 
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_kw": 32, "num_warps": 4, "stages": 2,
-      "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 4, "solve_warps": None,
+      "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 2, "solve_warps": None,
       "block_k4": 32, "block_k6": 16, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
@@ -720,10 +615,9 @@ and output dots then round their operands to TF32 or take them as bf16) or "fp32
 "x2": w and k̃ as they are stored, S_n and U_n split in two bf16 parts, more exact than TF32 with no fp32 copy of w
 and k̃ in registers; "16": S_n and U_n rounded to bf16, as FLA's state pass); "state_block" "auto": `_auto_state`
 picks the columns, warps, stages and dots by the shape (the other three options then unused);
-the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel` with key pieces of "block_k6"),
-"v7" (`_strips6_kernel` scanning the gates itself and handing the solve w's right side, in the scratch dtype: no
-Γ in memory; q̃, k̃, d always in the strips, "strips_qkd" must stay True) or
-"v4" (`_strips4_kernel`, key pieces of "block_k4"; what fp32 inputs run), "strip_warps" their warps; the solve's
+the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel` with key pieces of "block_k6") or
+"v4" (`_strips4_kernel`, key pieces of "block_k4"; what fp32 inputs run), "strip_warps" their warps (16-bit inputs;
+2: a [16, C] strip needs no more, and more programs fit an SM: docs/performance.md#kda); the solve's
 "block_kw" (w's key piece), "num_warps" ("solve_warps" over it), "stages" (software pipelining of the loads, the
 strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": bf16, as FLA's);
 "u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone
@@ -741,13 +635,11 @@ def _check_v3() -> None:
     unknown = sorted(set(V3) - _V3_KEYS)
     if unknown:
         raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
-    allowed = {"strips": ("v4", "v6", "v7", "v8"), "u16": (True, False, "U"), "a16": (True, False),
+    allowed = {"strips": ("v4", "v6"), "u16": (True, False, "U"), "a16": (True, False),
                "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32")}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
     if bad:
         raise ValueError(f"kda_triton.V3: {bad} not among {({n: allowed[n] for n in bad})}")
-    if V3["strips"] == "v7" and not V3["strips_qkd"]:
-        raise ValueError("kda_triton.V3: strips='v7' forms q~, k~ and d in the strips; strips_qkd=False is v6's")
 
 
 def _dots(dtype: torch.dtype, *which: str) -> dict:
@@ -762,8 +654,8 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
                      scale: float, chunk_size: int = 64, inverse: bool = False,
                      scratch: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """The intra-chunk quantities of every chunk (module docstring): the strips (one program per chunk, query block
-    of 16 rows and sequence × head; for 16-bit inputs after `_gamma_kernel`, or scanning the gates themselves with
-    `V3["strips"] = "v7"`), then the solve (one per chunk and sequence × head).
+    of 16 rows and sequence × head; for 16-bit inputs after `_gamma_kernel`), then the solve (one per chunk and
+    sequence × head).
 
     q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], reset [B, T] bool or None. Returns tensors over rows
     R = B·H (b-major) and chunks N = ⌈T / C⌉ (the last chunk zero-padded): w, q̃ ("qd"), k̃ ("kd") [R, N, C, K]
@@ -792,29 +684,15 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     cfg = solve_config(C, K, V, ieee=ieee)
     dots = _dots(q.dtype, "pair", "solve")
     blocks = dict(C=C, BC=SUB_CHUNK, HAS_RESET=reset is not None, num_stages=cfg["num_stages"], **dots)
-    v6 = V3["strips"] in ("v6", "v7", "v8") and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
-    v7 = v6 and V3["strips"] == "v7"
+    v6 = V3["strips"] == "v6" and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
     grid = (N * (C // SUB_CHUNK), R)
-    if v6 and V3["strips"] == "v8":   # one program a chunk: the strips and the solve, Γ from `_gamma_kernel`
-        gam = torch.empty(R, N, C, K, **f32)
+    if v6:
+        x["R"] = torch.empty(R, N, C, K, **f32)
         bg = min(_pow2(K), 64)
-        _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, gam, T, H, K, N, C=C, BK=bg, num_warps=4)
-        _intra8_kernel[(N, R)](q, k, v, beta, rst, gam, x["w"], x["u"], x["A"], x["M"], x["qd"], x["kd"], x["d"],
-                               T, H, K, V, N, float(scale), BK=min(_pow2(K), V3["block_k6"]), BKW=cfg["BKW"],
-                               BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1, LEVELS=C.bit_length() - 1,
-                               INVERSE=inverse, num_warps=V3["strip_warps"], **blocks)
-        if not inverse:
-            del x["M"]
-        return x
-    if v6:   # "R": v6's prefix sums Γ (fp32), or v7's right side for the solve (the strips scan Γ themselves)
-        x["R"] = torch.empty(R, N, C, K, **(s16 if v7 else f32))
-        if not v7:
-            bg = min(_pow2(K), 64)
-            _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
+        _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
         _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
                               float(scale), BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
-                              QKD=V3["strips_qkd"], SCAN=v7, g_ptr=g if v7 else None,
-                              rhs_ptr=x["R"] if v7 else None, **blocks)
+                              QKD=V3["strips_qkd"], **blocks)
     else:
         _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N, float(scale),
                               BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),
@@ -824,8 +702,7 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
         solve["SOLVE"] = V3["solve_dots"]
     _solve3_kernel[(N, R)](q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"], x.get("R", x["M"]),
                            T, H, K, V, N, float(scale), BK=cfg["BKW"], BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1,
-                           LEVELS=C.bit_length() - 1, INVERSE=inverse, QKD=v6 and not v7 and not V3["strips_qkd"],
-                           GAMMA=2 if v7 else int(v6),
+                           LEVELS=C.bit_length() - 1, INVERSE=inverse, QKD=v6 and not V3["strips_qkd"], GAMMA=v6,
                            num_warps=V3["solve_warps"] or cfg["num_warps"] if not ieee else cfg["num_warps"], **solve)
     x.pop("R", None)
     if not inverse:

@@ -3,7 +3,7 @@
     PYTHONPATH=. python tests/bench/kda.py                         # H200: T = 8192, H = 96 and the decode step
     PYTHONPATH=. python tests/bench/kda.py --shapes 8192x96 32768x32 65536x8 --chunk-triton
     PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --variants defaults v4
-    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-variants --variants defaults v7 --rounds 5
+    PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-variants --variants defaults v6-4w --rounds 5
 
 fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
 by default.
@@ -269,18 +269,12 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "v4-solve8w-kw32": dict(strips="v4", solve_warps=8),
             "v4-solve8w-kw64-1s": dict(strips="v4", solve_warps=8, block_kw=64, stages=1),
             "v6": dict(strips="v6"), "v6-bk64": dict(strips="v6", block_k6=64),
-            "v6-2w": dict(strips="v6", strip_warps=2), "solve-bf16": dict(solve_dots="16"),
+            "v6-4w": dict(strips="v6", strip_warps=4), "solve-bf16": dict(solve_dots="16"),
             # round 5: fp32 u, U_n and Aqk, q̃ / k̃ / d in the solve (the defaults before it); each change alone
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
             # the v6 strips' key pieces (16 by default since KDA round 6)
-            "bk32": dict(block_k6=32),
-            # the gates scanned in the strips, w's right side handed to the solve (no _gamma_kernel, no Γ in memory)
-            "v7": dict(strips="v7"), "v7-2w": dict(strips="v7", strip_warps=2),
-            # one program a chunk: the strips as batched dots and the solve in registers (after _gamma_kernel)
-            "v8": dict(strips="v8"), "v8-8w": dict(strips="v8", strip_warps=8),
-            "v8-1s": dict(strips="v8", stages=1), "v8-8w-1s-kw16": dict(strips="v8", strip_warps=8, stages=1,
-                                                                         block_kw=16)}
+            "bk32": dict(block_k6=32)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:

@@ -6,6 +6,7 @@ and the spills come out several times too large.
 
     python tests/bench/sm90_compile.py indexer indexer-select sparse-fwd sparse-dq sparse-dkv kda-fwd
     python tests/bench/sm90_compile.py kda-bwd
+    python tests/bench/sm90_compile.py kda-fwd --v3 strip_warps=4      # under other kda_triton.V3 options
 
 Needs a Triton with its NVIDIA backend (a Linux wheel; the device's version is 3.6: `pip install triton==3.6.0`
 into a separate environment). Registers and spills decide occupancy and show where a launch configuration will
@@ -201,8 +202,8 @@ def _kda_prec(name):
 
 def _kda_intra(name, sc, inverse):
     """The intra-chunk launches as `kt.kda_intra_triton` runs them for `name` inputs ("bf16": `_gamma_kernel`,
-    `_strips6_kernel`, the solve reading Γ; with `V3["strips"] = "v7"` the strips scanning the gates and the solve
-    reading w's right side; "fp32": `_strips4_kernel`, the solve) with scratch `sc`, (I+L)^-1 stored or not."""
+    `_strips6_kernel`, the solve reading Γ; "fp32": `_strips4_kernel`, the solve) with scratch `sc`, (I+L)^-1 stored
+    or not."""
     x = BF if name == "bf16" else F32
     prec, common = _kda_prec(name)
     c = kt.solve_config(KDA_C, KDA_D, KDA_D, ieee=name == "fp32")
@@ -210,27 +211,9 @@ def _kda_intra(name, sc, inverse):
     blocks = dict(C=KDA_C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
     s16 = name == "bf16" and sc == BF
     a_ptr = BF if s16 and kt.V3["a16"] else F32
-    v6 = name == "bf16" and kt.V3["strips"] in ("v6", "v7")
-    v7 = v6 and kt.V3["strips"] == "v7"
-    qkd_strips = not v6 or v7 or kt.V3["strips_qkd"]
-    if name == "bf16" and kt.V3["strips"] == "v8":
-        bk, warps = kt.V3["block_k6"], kt.V3["strip_warps"]
-        yield f"kda _intra8_kernel (strips and solve) {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
-            kt._intra8_kernel, dict(q_ptr=x, k_ptr=x, v_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, w_ptr=sc,
-                                    u_ptr=BF if s16 and kt.V3["u16"] is True else F32, A_ptr=a_ptr, M_ptr=F32,
-                                    qd_ptr=sc, kd_ptr=sc, d_ptr=F32),
-            scalars, dict(BK=bk, BKW=c["BKW"], BV=c["BV"], LOG_BC=4, LEVELS=6, INVERSE=inverse, PAIR=prec["PAIR"],
-                          **blocks), num_warps=warps, num_stages=c["num_stages"])
-        return
-    if v7:
-        bk, warps = kt.V3["block_k6"], kt.V3["strip_warps"]
-        yield f"kda _strips6_kernel v7 (scan, w's right side) {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
-            kt._strips6_kernel, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
-                                     qd_ptr=sc, kd_ptr=sc, d_ptr=F32, g_ptr=F32, rhs_ptr=sc),
-            {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-            dict(BK=bk, PAIR=prec["PAIR"], QKD=True, SCAN=True, **blocks), num_warps=warps,
-            num_stages=c["num_stages"])
-    elif v6:
+    v6 = name == "bf16" and kt.V3["strips"] == "v6"
+    qkd_strips = not v6 or kt.V3["strips_qkd"]
+    if v6:
         yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
                                                         dict(T=T, H=H, K=KDA_D, N=KDA_N), dict(C=KDA_C, BK=64),
                                                         num_warps=4)
@@ -239,8 +222,7 @@ def _kda_intra(name, sc, inverse):
             kt._strips6_kernel, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
                                      qd_ptr=sc, kd_ptr=sc, d_ptr=F32),
             {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-            dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, SCAN=False, g_ptr=None, rhs_ptr=None, **blocks),
-            num_warps=warps, num_stages=c["num_stages"])
+            dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, **blocks), num_warps=warps, num_stages=c["num_stages"])
     else:
         bk, warps = (kt.V3["block_k4"], kt.V3["strip_warps"]) if name == "bf16" else (16, 4)
         yield f"kda _strips4_kernel {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
@@ -250,12 +232,11 @@ def _kda_intra(name, sc, inverse):
             num_warps=warps, num_stages=c["num_stages"])
     ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc,
                 u_ptr=BF if s16 and kt.V3["u16"] is True else F32, qd_ptr=sc, kd_ptr=sc, d_ptr=F32, M_ptr=F32,
-                r_ptr=sc if v7 else F32)
+                r_ptr=F32)
     label = f"kda solve {name}{', (I+L)^-1' if inverse else ''}, scratch {sc[1:]} {c}"
     yield label, report(kt._solve3_kernel, ptrs, scalars,
                         dict(BK=c["BKW"], BV=c["BV"], LOG_BC=4, LEVELS=6, INVERSE=inverse, QKD=not qkd_strips,
-                             GAMMA=2 if v7 else int(v6), **blocks), num_warps=c["num_warps"],
-                        num_stages=c["num_stages"])
+                             GAMMA=v6, **blocks), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def _kda_state(name, sc, block_v):
@@ -363,8 +344,7 @@ def kda_fwd_v4():
             report(kt._strips6_kernel, dict(q_ptr=BF, k_ptr=BF, beta_ptr=F32, reset_ptr=I32, r_ptr=F32,
                                             A_ptr=BF if a16 else F32, M_ptr=F32, qd_ptr=BF, kd_ptr=BF, d_ptr=F32),
                    {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-                   dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd, SCAN=False, g_ptr=None, rhs_ptr=None, **blocks),
-                   num_warps=4, num_stages=2)
+                   dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd, **blocks), num_warps=4, num_stages=2)
     for qkd, u in ((True, F32), (False, F32), (False, BF)):
         ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=BF, u_ptr=u,
                     qd_ptr=BF, kd_ptr=BF, d_ptr=F32, M_ptr=F32, r_ptr=F32)
@@ -436,7 +416,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", nargs="*", help=f"of {list(KERNELS)} (default: all)")
     ap.add_argument("--v3", nargs="*", default=[], metavar="OPTION=VALUE",
-                    help="kda_triton.V3 options for the KDA kernels (integers as such), e.g. strips=v8 strip_warps=8")
+                    help="kda_triton.V3 options for the KDA kernels (integers as such), e.g. strip_warps=4 block_k6=32")
     a = ap.parse_args()
     for opt in a.v3:
         key, _, value = opt.partition("=")
