@@ -28,12 +28,16 @@ state pass 6·K·V, Aqk·U C·V: 139 KFLOP at K = V = 128; forward+backward coun
 pass must move: forward q, k, v, o in bf16, g and beta in fp32 (1.54 KB per token and head); forward+backward also
 do in, dq, dk, dv out in bf16 and dg, dbeta in fp32 (4.36 KB in all). The decode floor is the fp32 state read and
 written once (805 MB at B = 64, H = 96).
+
+fla's autotuning results are kept on disk (`TRITON_CACHE_AUTOTUNING=1`, unless set otherwise): a later call on the
+same machine skips the minutes of tuning a shape costs the first time.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,6 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")   # read when fla's kernels are decorated, so before its import
 
 import kimi  # noqa: E402,F401  (registers the kimi:: ops)
 from kimi import kda  # noqa: E402
@@ -269,7 +274,9 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "v4-solve8w-kw32": dict(strips="v4", solve_warps=8),
             "v4-solve8w-kw64-1s": dict(strips="v4", solve_warps=8, block_kw=64, stages=1),
             "v6": dict(strips="v6"), "v6-bk64": dict(strips="v6", block_k6=64),
-            "v6-4w": dict(strips="v6", strip_warps=4), "solve-bf16": dict(solve_dots="16"),
+            "v6-4w": dict(strips="v6", strip_warps=4), "v6-1w": dict(strips="v6", strip_warps=1),
+            "solve-bf16": dict(solve_dots="16"), "solve-8w": dict(solve_warps=8),
+            "solve-2w-kw16": dict(solve_warps=2, block_kw=16),
             # round 5: fp32 u, U_n and Aqk, q̃ / k̃ / d in the solve (the defaults before it); each change alone
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
