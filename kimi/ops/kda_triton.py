@@ -617,7 +617,7 @@ and k̃ in registers; "16": S_n and U_n rounded to bf16, as FLA's state pass); "
 picks the columns, warps, stages and dots by the shape (the other three options then unused);
 the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel` with key pieces of "block_k6") or
 "v4" (`_strips4_kernel`, key pieces of "block_k4"; what fp32 inputs run), "strip_warps" their warps (16-bit inputs;
-2: a [16, C] strip needs no more, and more programs fit an SM: docs/performance.md#kda); the solve's
+2, measured faster than 4: docs/performance.md#kda); the solve's
 "block_kw" (w's key piece), "num_warps" ("solve_warps" over it), "stages" (software pipelining of the loads, the
 strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": bf16, as FLA's);
 "u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone
