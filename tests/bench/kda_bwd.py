@@ -44,6 +44,8 @@ VARIANTS = {   # name: the backward's scratch ("saved": the forward's), `kda_bwd
     "saved, reverse 16 columns": dict(saved=True, reverse=dict(block_v=16)),
     "saved, reverse auto columns": dict(saved=True, reverse=dict(block_v="auto")),
     "saved, reverse 2 stages": dict(saved=True, reverse=dict(num_stages=2)),
+    "saved, reverse 2 warps": dict(saved=True, reverse=dict(num_warps=2)),
+    "saved, reverse 2 warps, 2 stages": dict(saved=True, reverse=dict(num_warps=2, num_stages=2)),
     "saved, reverse bf16 dS": dict(saved=True, reverse=dict(dstates="16")),
     "saved, reverse q~ dO on bf16 operands": dict(saved=True, reverse=dict(qd16=True)),
     "saved, wide pairwise": dict(saved=True, pairwise="wide"),

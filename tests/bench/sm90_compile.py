@@ -246,6 +246,9 @@ def _kda_state(name, sc, block_v):
     launch = {}
     if block_v == "auto":
         block_v, launch, prec["STATE"] = kt._auto_state(H, KDA_D, torch.device("cpu"))
+    elif name == "bf16":   # the launch and dots `kt.kda_chunk_fwd_triton` takes from V3 with bf16 scratch
+        launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
+        prec["STATE"] = kt.V3["state_dots"] if sc == BF else prec["STATE"]
     c = {**kt.state_config(KDA_D, KDA_D, ieee=name == "fp32", block_v=block_v), **launch}
     ptrs = dict(w_ptr=sc, u_ptr=sc if kt.V3["u16"] is True else F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32,
                 h_ptr=sc, U_ptr=sc if kt.V3["u16"] else F32)
