@@ -616,8 +616,8 @@ and output dots then round their operands to TF32 or take them as bf16) or "fp32
 and k̃ in registers; "16": S_n and U_n rounded to bf16, as FLA's state pass); "state_block" "auto": `_auto_state`
 picks the columns, warps, stages and dots by the shape (the other three options then unused);
 the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel` with key pieces of "block_k6") or
-"v4" (`_strips4_kernel`, key pieces of "block_k4"; what fp32 inputs run), "strip_warps" their warps (16-bit inputs;
-2, measured faster than 4: docs/performance.md#kda); the solve's
+"v4" (`_strips4_kernel`, key pieces of "block_k4"; what fp32 inputs run), "strip_warps" their warps (16-bit inputs,
+v6 and v4 alike; 2, measured faster than 4 with v6: docs/performance.md#kda); the solve's
 "block_kw" (w's key piece), "num_warps" ("solve_warps" over it), "stages" (software pipelining of the loads, the
 strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": bf16, as FLA's);
 "u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone

@@ -271,7 +271,7 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "state-x2-16c-2w-3s": dict(state_dots="x2", state_block=16, state_warps=2, state_stages=3),
             "state-x2-16c-4w-3s": dict(state_dots="x2", state_block=16, state_warps=4, state_stages=3),
             # the intra-chunk kernels: v4's strips (one key block at a time) or v6's (the default), and the solve
-            "v4": dict(strips="v4"), "v4-2w": dict(strips="v4", strip_warps=2),
+            "v4": dict(strips="v4"), "v4-4w": dict(strips="v4", strip_warps=4),
             "v4-bk64": dict(strips="v4", block_k4=64), "v4-bk128": dict(strips="v4", block_k4=128),
             "v4-solve8w-kw64": dict(strips="v4", solve_warps=8, block_kw=64),
             "v4-solve8w-kw32": dict(strips="v4", solve_warps=8),

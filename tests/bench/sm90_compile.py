@@ -16,6 +16,7 @@ lose time; they are no substitute for timing on the GPU.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import subprocess
@@ -244,11 +245,13 @@ def _kda_state(name, sc, block_v):
     `kt._auto_state`'s launch and dots at H = 96)."""
     prec, common = _kda_prec(name)
     launch = {}
-    if block_v == "auto":
+    if block_v == "auto" and sc != BF:   # `kt._state_pass`: fp32 scratch keeps the 64-column one-stage launch
+        block_v = 64
+    elif block_v == "auto":
         block_v, launch, prec["STATE"] = kt._auto_state(H, KDA_D, torch.device("cpu"))
-    elif name == "bf16":   # the launch and dots `kt.kda_chunk_fwd_triton` takes from V3 with bf16 scratch
+    elif name == "bf16" and sc == BF:   # the launch and dots `kt.kda_chunk_fwd_triton` takes from V3 (bf16 scratch)
         launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
-        prec["STATE"] = kt.V3["state_dots"] if sc == BF else prec["STATE"]
+        prec["STATE"] = kt.V3["state_dots"]
     c = {**kt.state_config(KDA_D, KDA_D, ieee=name == "fp32", block_v=block_v), **launch}
     ptrs = dict(w_ptr=sc, u_ptr=sc if kt.V3["u16"] is True else F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32,
                 h_ptr=sc, U_ptr=sc if kt.V3["u16"] else F32)
@@ -423,9 +426,17 @@ def main():
     a = ap.parse_args()
     for opt in a.v3:
         key, _, value = opt.partition("=")
-        if key not in kt.V3:
-            ap.error(f"--v3: unknown option {key!r} (the options: {sorted(kt.V3)})")
-        kt.V3[key] = int(value) if value.lstrip("-").isdigit() else value
+        if key not in kt.V3 or key in ("scratch", "states"):
+            ap.error(f"--v3: unknown option {key!r} (the options: {sorted(set(kt.V3) - {'scratch', 'states'})}; "
+                     "the report's scratch is bf16)")
+        try:
+            kt.V3[key] = ast.literal_eval(value)   # 2, False, None, '"v6"'
+        except (ValueError, SyntaxError):
+            kt.V3[key] = value                     # v6, x2
+    try:
+        kt._check_v3()
+    except ValueError as e:
+        ap.error(f"--v3: {e}")
     unknown = set(a.kernels) - set(KERNELS)
     if unknown:
         ap.error(f"unknown kernels {sorted(unknown)}: choose from {list(KERNELS)}")
