@@ -722,18 +722,8 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2" and "16" need bf16 w and k̃,
     `_dot`)."""
     R, N, C = x["w"].shape[:3]
-    if block_v == "auto" and not x["w"].dtype == x["kd"].dtype == torch.bfloat16:
-        # fp32 scratch (the backward's recompute): the launch measured correct on the H200; `_auto_state`'s
-        # pipelined narrow launches gave wrong states there with fp32 tiles (docs/performance.md#kda)
-        block_v, launch = 64, None
-    if block_v == "auto":
-        block_v, launch, dots = _auto_state(R, V, x["w"].device)
-    cfg = {**state_config(K, V, ieee=dtype not in _DT16, block_v=block_v), **(launch or {})}
-    prec = _dots(dtype, "state")
-    if dots is not None and dtype in _DT16:
-        if dots in ("x2", "16") and not x["w"].dtype == x["kd"].dtype == torch.bfloat16:
-            raise ValueError(f"_state_pass: dots={dots!r} needs bf16 w and k~, got {x['w'].dtype}")
-        prec["STATE"] = dots
+    scratch = x["w"].dtype if x["w"].dtype == x["kd"].dtype else torch.float32
+    cfg, prec = state_launch(R, K, V, dtype, scratch, x["w"].device, block_v=block_v, launch=launch, dots=dots)
     sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
     s0_ptr = s0.contiguous() if s0 is not None else sN
     mode = 2 if identity else (1 if s0 is not None else 0)
@@ -742,6 +732,34 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
         U if U is not None else x["u"], K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u,
         STORE=states is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **prec)
     return sN
+
+
+def state_launch(R: int, K: int, V: int, dtype: torch.dtype, scratch: torch.dtype, device: torch.device, *,
+                 block_v: int | str | None = None, launch: dict | None = None,
+                 dots: str | None = None) -> tuple[dict, dict]:
+    """`_state_kernel`'s launch config and dot operands (`_dots`) over R = B·H rows, for inputs of `dtype` and w, k̃
+    in `scratch`; block_v, launch and dots as `_state_pass` takes them."""
+    if block_v == "auto" and scratch != torch.bfloat16:
+        # fp32 scratch (the backward's recompute): the launch measured correct on the H200; `_auto_state`'s
+        # pipelined narrow launches gave wrong states there with fp32 tiles (docs/performance.md#kda)
+        block_v, launch = 64, None
+    if block_v == "auto":
+        block_v, launch, dots = _auto_state(R, V, device)
+    cfg = {**state_config(K, V, ieee=dtype not in _DT16, block_v=block_v), **(launch or {})}
+    prec = _dots(dtype, "state")
+    if dots is not None and dtype in _DT16:
+        if dots in ("x2", "16") and scratch != torch.bfloat16:
+            raise ValueError(f"_state_pass: dots={dots!r} needs bf16 w and k~, got {scratch}")
+        prec["STATE"] = dots
+    return cfg, prec
+
+
+def forward_state_options(dtype: torch.dtype, scratch: torch.dtype) -> dict:
+    """`_state_pass`'s block_v, launch and dots as `kda_chunk_fwd_triton` takes them from `V3`, for inputs of
+    `dtype` with w, k̃ in `scratch`."""
+    return dict(block_v=V3["state_block"],
+                launch=dict(num_warps=V3["state_warps"], num_stages=V3["state_stages"]) if dtype in _DT16 else None,
+                dots=V3["state_dots"] if scratch == torch.bfloat16 else None)
 
 
 def u_out_buffer(x: dict[str, Tensor]) -> Tensor | None:
@@ -789,11 +807,9 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     R, N, C = x["w"].shape[:3]
     states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32,
                          device=q.device)
-    launch = dict(num_warps=V3["state_warps"], num_stages=V3["state_stages"]) if s16 else None
     U = u_out_buffer(x)
     sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, states=states,
-                     block_v=V3["state_block"], launch=launch,
-                     dots=V3["state_dots"] if scratch == torch.bfloat16 else None, U=U)
+                     U=U, **forward_state_options(q.dtype, scratch))
     if U is not None:   # U_n replaces u from here on
         x["u"] = U
     _output_pass(x, states, o, q.dtype)

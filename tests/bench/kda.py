@@ -36,6 +36,7 @@ same machine skips the minutes of tuning a shape costs the first time.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import os
 import sys
@@ -299,11 +300,9 @@ def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -
     xs = kt.kda_intra_triton(*args, scale=scale, scratch=scratch)
     states = torch.empty(R, N, D, D, dtype=sd, device=x["q"].device)
     U = kt.u_out_buffer(xs)   # U_n into its own bf16 buffer where the forward writes it there
-    launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
     row(f"{name}: its state pass (S_n, U_n)", "forward",
         lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
-                               states=states, block_v=kt.V3["state_block"], launch=launch, dots=kt.V3["state_dots"],
-                               U=U))
+                               states=states, U=U, **kt.forward_state_options(x["q"].dtype, scratch)))
     if U is not None:
         xs["u"] = U
     o = torch.empty_like(x["v"])
@@ -321,6 +320,24 @@ def v3_options(options: dict):
     finally:
         kt.V3.clear()
         kt.V3.update(saved)
+
+
+def parse_v3(pairs: list[str]) -> dict:
+    """`OPTION=VALUE` strings as kda_triton.V3 options, values as Python literals (2, False, None) or else bare
+    strings (strips=v4); ValueError for an option V3 does not have or a value `_check_v3` refuses."""
+    from kimi.ops import kda_triton as kt
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in kt.V3:
+            raise ValueError(f"{pair}: {key!r} is not an option of kda_triton.V3 ({sorted(kt.V3)})")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    with v3_options(options):
+        kt._check_v3()
+    return options
 
 
 def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict, variants: list | None) -> None:
@@ -348,11 +365,10 @@ def variant_rows(x: dict, T: int, H: int, D: int, scale: float, row, outs: dict,
                 xs = kt.kda_intra_triton(*args, scale=scale, scratch=torch.bfloat16)
                 states = torch.empty(H, -(-T // 64), D, D, dtype=torch.bfloat16, device=x["q"].device)
                 U = kt.u_out_buffer(xs)
-                launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
                 row(f"{name}: its state pass (S_n, U_n)", "forward",
                     lambda: kt._state_pass(xs, 1, T, H, D, D, x["q"].dtype, s0=x["h0"], identity=False, with_u=True,
-                                           states=states, block_v=kt.V3["state_block"], launch=launch,
-                                           dots=kt.V3["state_dots"], U=U))
+                                           states=states, U=U,
+                                           **kt.forward_state_options(x["q"].dtype, torch.bfloat16)))
                 del xs, states
                 continue
             row(f"{name}: its intra-chunk kernels", "forward",

@@ -12,7 +12,6 @@ fla autotunes its kernels on the first call at a shape (a minute or more of devi
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kda import inputs  # noqa: E402
+from kda import inputs, parse_v3  # noqa: E402
 from kernel_profile import profile_kernels  # noqa: E402
 
 from kimi.ops import kda_bwd_triton as kb  # noqa: E402
@@ -37,14 +36,10 @@ def main():
     ap.add_argument("--v3", nargs="*", default=[], metavar="KEY=VALUE",
                     help="options of kda_triton.V3 for ours (values as Python literals: split=True block_k=16)")
     a = ap.parse_args()
-    for kv in a.v3:
-        key, value = kv.split("=", 1)
-        if key not in kt.V3:
-            ap.error(f"--v3 {kv}: {key} is not an option of kda_triton.V3 ({sorted(kt.V3)})")
-        try:
-            kt.V3[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kt.V3[key] = value   # a bare string: strips=v4
+    try:
+        kt.V3.update(parse_v3(a.v3))
+    except ValueError as e:
+        ap.error(f"--v3 {e}")
     T, H = (int(s) for s in a.shape.split("x"))
     x = inputs(T, H, 128, torch.device("cuda"))
     scale = 128 ** -0.5

@@ -16,7 +16,6 @@ lose time; they are no substitute for timing on the GPU.
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -35,6 +35,7 @@ from kimi.ops import indexer_triton as it  # noqa: E402
 from kimi.ops import kda_bwd_triton as kb  # noqa: E402
 from kimi.ops import kda_triton as kt  # noqa: E402
 from kimi.ops import sparse_mla_triton as sm  # noqa: E402
+from kda import parse_v3  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -240,19 +241,14 @@ def _kda_intra(name, sc, inverse):
                              GAMMA=v6, **blocks), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-def _kda_state(name, sc, block_v):
-    """`_state_kernel` for `name` inputs storing S_n and U_n, w / k~ / S_n in `sc`, `block_v` state columns ("auto":
-    `kt._auto_state`'s launch and dots at H = 96)."""
+def _kda_state(name, sc, options):
+    """`_state_kernel` for `name` inputs storing S_n and U_n, w / k~ / S_n in `sc`, its launch and dots as
+    `kt.state_launch` resolves `options` (`_state_pass`'s block_v, launch, dots) at H = 96."""
     prec, common = _kda_prec(name)
-    launch = {}
-    if block_v == "auto" and sc != BF:   # `kt._state_pass`: fp32 scratch keeps the 64-column one-stage launch
-        block_v = 64
-    elif block_v == "auto":
-        block_v, launch, prec["STATE"] = kt._auto_state(H, KDA_D, torch.device("cpu"))
-    elif name == "bf16" and sc == BF:   # the launch and dots `kt.kda_chunk_fwd_triton` takes from V3 (bf16 scratch)
-        launch = dict(num_warps=kt.V3["state_warps"], num_stages=kt.V3["state_stages"])
-        prec["STATE"] = kt.V3["state_dots"]
-    c = {**kt.state_config(KDA_D, KDA_D, ieee=name == "fp32", block_v=block_v), **launch}
+    dtype = torch.bfloat16 if name == "bf16" else torch.float32
+    c, dots = kt.state_launch(H, KDA_D, KDA_D, dtype, torch.bfloat16 if sc == BF else torch.float32,
+                              torch.device("cpu"), **options)
+    prec["STATE"] = dots["STATE"]
     ptrs = dict(w_ptr=sc, u_ptr=sc if kt.V3["u16"] is True else F32, kd_ptr=sc, d_ptr=F32, s0_ptr=F32, sN_ptr=F32,
                 h_ptr=sc, U_ptr=sc if kt.V3["u16"] else F32)
     consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, STORE=True, STATE=prec["STATE"], **common)
@@ -270,7 +266,8 @@ def kda_fwd():
         sc = BF if name == "bf16" else F32
         prec, common = _kda_prec(name)
         yield from _kda_intra(name, sc, inverse=False)
-        yield _kda_state(name, sc, kt.V3["state_block"] if name == "bf16" else None)
+        yield _kda_state(name, sc, kt.forward_state_options(torch.bfloat16 if name == "bf16" else torch.float32,
+                                                            torch.bfloat16 if sc == BF else torch.float32))
         c = kt.output_config(KD, KD, ieee=name == "fp32")
         yield f"kda output {name}, q~/S_n {sc[1:]} {c}", report(
             kt._output_kernel, dict(qd_ptr=sc, A_ptr=sc if kt.V3["a16"] else F32,
@@ -291,7 +288,7 @@ def kda_bwd():
         x = BF if name == "bf16" else F32
         prec, common = _kda_prec(name)
         yield from _kda_intra(name, F32, inverse=True)
-        yield _kda_state(name, F32, kt.V3["state_block"] if name == "bf16" else None)
+        yield _kda_state(name, F32, dict(block_v=kt.V3["state_block"]))   # the backward's recompute
         c = kt.state_config(KD, KD, ieee=name == "fp32")
         ptrs = dict(qd_ptr=F32, kd_ptr=F32, w_ptr=F32, A_ptr=F32, d_ptr=F32, do_ptr=x, dsN_ptr=F32, dh_ptr=F32,
                     dU_ptr=F32, dh0_ptr=F32)
@@ -424,19 +421,13 @@ def main():
     ap.add_argument("--v3", nargs="*", default=[], metavar="OPTION=VALUE",
                     help="kda_triton.V3 options for the KDA kernels (integers as such), e.g. strip_warps=4 block_k6=32")
     a = ap.parse_args()
-    for opt in a.v3:
-        key, _, value = opt.partition("=")
-        if key not in kt.V3 or key in ("scratch", "states"):
-            ap.error(f"--v3: unknown option {key!r} (the options: {sorted(set(kt.V3) - {'scratch', 'states'})}; "
-                     "the report's scratch is bf16)")
-        try:
-            kt.V3[key] = ast.literal_eval(value)   # 2, False, None, '"v6"'
-        except (ValueError, SyntaxError):
-            kt.V3[key] = value                     # v6, x2
     try:
-        kt._check_v3()
+        options = parse_v3(a.v3)
     except ValueError as e:
-        ap.error(f"--v3: {e}")
+        ap.error(f"--v3 {e}")
+    if {"scratch", "states"} & set(options):
+        ap.error("--v3: the report's scratch and states are bf16 (scratch, states not taken)")
+    kt.V3.update(options)
     unknown = set(a.kernels) - set(KERNELS)
     if unknown:
         ap.error(f"unknown kernels {sorted(unknown)}: choose from {list(KERNELS)}")
