@@ -92,6 +92,7 @@ def test_backward_matches_float64_recurrence(case, dtype):
 
 @pytest.mark.parametrize("variant", ["recompute", "saved", "recompute, own reverse pass, auto columns, wide pairwise",
                                      "saved, 16-column reverse blocks, bf16 dS, q~ dO on bf16",
+                                     "saved, x2n reverse dots, 16-column blocks, 2 stages",
                                      "saved, state terms split, wide pairwise, auto columns, bf16 dS"])
 def test_backward_head_dim_128(variant, monkeypatch):
     """K = V = 128 in bf16 (eight key blocks, two value blocks per program), a document start inside the short
@@ -109,7 +110,10 @@ def test_backward_head_dim_128(variant, monkeypatch):
         monkeypatch.setitem(kb.REVERSE, "dstates", "16")
     if "16-column" in variant:
         monkeypatch.setitem(kb.REVERSE, "block_v", 16)
-        monkeypatch.setitem(kb.REVERSE, "qd16", True)
+        monkeypatch.setitem(kb.REVERSE, "qd16", "q~ dO on bf16" in variant)
+    if "x2n" in variant:
+        monkeypatch.setitem(kb.REVERSE, "dots", "x2n")
+        monkeypatch.setitem(kb.REVERSE, "num_stages", 2)
     x = _inputs(1, 40, 1, 128, 128, "bounded", torch.bfloat16)
     reset = resets(1, 40, [[23]])
     do, dsN = _bwd_inputs(x, True)

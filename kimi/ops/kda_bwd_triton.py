@@ -75,12 +75,15 @@ if triton is not None:
     def _state_bwd2_kernel(qd_ptr, kd_ptr, w_ptr, A_ptr, d_ptr, do_ptr, dsN_ptr, dh_ptr, dU_ptr, dh0_ptr,
                            T, H, K, V, N, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                            HAS_DSN: tl.constexpr, HAS_DH0: tl.constexpr, QD16: tl.constexpr, STATE: tl.constexpr,
-                           DT: tl.constexpr, EMULATE: tl.constexpr):
+                           DT: tl.constexpr, EMULATE: tl.constexpr, CHAIN: tl.constexpr = ""):
         # `kda_triton._state_bwd_kernel`'s recurrence (program per row bh and block of BV state columns, chunks in
         # reverse, dS in fp32 registers), with the chunk's tiles loaded in their stored dtype (a pipelined loop,
         # num_stages > 1, fetches the next chunk's during this one's dots: none depends on dS), dS_{n+1} stored in
         # dh's dtype (rounded to nearest), and QD16: q̃ᵀ dO on 16-bit operands (both are stored in 16 bits: the
-        # products are the TF32 ones).
+        # products are the TF32 ones). CHAIN: the operands of the two dots on the chain, k̃ dS and wᵀ dU ("x2n": dS
+        # and dU as two bf16 parts; Aqkᵀ dO and q̃ᵀ dO then on 16-bit operands, all stored so); "": STATE's.
+        CH: tl.constexpr = CHAIN if CHAIN != "" else STATE
+        AD: tl.constexpr = "16" if CHAIN != "" else STATE
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -104,17 +107,17 @@ if triton is not None:
                          mask=(t < T)[:, None] & mv[None, :], other=0.0)
             A = tl.load(A_ptr + rws[:, None] * C + c[None, :])
             kd = tl.load(kd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
-            dU = _dot(kd, dS, _dot(tl.trans(A), do, tl.zeros([C, BV], dtype=tl.float32), STATE, DT, EMULATE),
-                      STATE, DT, EMULATE)
+            dU = _dot(kd, dS, _dot(tl.trans(A), do, tl.zeros([C, BV], dtype=tl.float32), AD, DT, EMULATE),
+                      CH, DT, EMULATE)
             tl.store(dU_ptr + rws[:, None] * V + vv[None, :], dU, mask=mv[None, :])
             qd = tl.load(qd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             w = tl.load(w_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             dn = tl.load(d_ptr + (bh * N + n) * K + kk, mask=mk, other=0.0)
-            if QD16:
+            if QD16 or CHAIN != "":
                 dS = _dot(tl.trans(qd), do, dn[:, None] * dS, "16", DT, EMULATE)
             else:
                 dS = _dot(tl.trans(qd), do, dn[:, None] * dS, STATE, DT, EMULATE)
-            dS = _dot(tl.trans(w), -dU, dS, STATE, DT, EMULATE)
+            dS = _dot(tl.trans(w), -dU, dS, CH, DT, EMULATE)
         if HAS_DH0:
             tl.store(dh0_ptr + bh * K * V + kk[:, None] * V + vv[None, :], dS, mask=m_kv)
 
@@ -403,12 +406,14 @@ or in their own launch (`_bwd_state_kernel`, "block_k" key channels and "block_v
 its programs no longer re-read U_n, dU, dO and (I + L)⁻¹ for every 16 key channels."""
 
 REVERSE = {"kernel": "v3", "block_v": "auto", "num_warps": None, "num_stages": None, "qd16": False,
-           "dstates": "16"}
+           "dstates": "16", "dots": None}
 """The reverse state pass for 16-bit inputs: "kernel" "v3" (`kda_triton._state_bwd_kernel`) or "own"
 (`_state_bwd2_kernel`: tiles in their stored dtype; "qd16" its q̃ᵀ dO on 16-bit operands when q̃ is stored in 16
 bits: exact, but more registers), "own" always from the forward's scratch (`saved`); "block_v",
 "num_warps", "num_stages" over `state_config`'s (None: its own); "dstates" the dtype of the stored dS_{n+1}:
-"fp32" or "16" (bf16, with "own"). block_v "auto": by the sequences × heads (`reverse_config`)."""
+"fp32" or "16" (bf16, with "own"); "dots" the operands of the own kernel's two dots on the chain (k̃ dS_{n+1}, wᵀ dU_n)
+with bf16 scratch: None (`PRECISION["state"]`) or "x2n" (dS and dU as two bf16 parts side by side in one dot, as
+the forward's `V3["state_dots"]`). block_v "auto": by the sequences × heads (`reverse_config`)."""
 
 
 @functools.cache
@@ -515,6 +520,8 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     s16 = q.dtype in _DT16
     # the saved scratch is 16-bit for 16-bit inputs, which `_state_bwd2_kernel` takes as stored (under the
     # interpreter `_state_bwd_kernel`'s negation of a bf16 tile is wrong)
+    if REVERSE["dots"] not in (None, "x2n"):
+        raise ValueError(f"kda_bwd_triton.REVERSE['dots'] = {REVERSE['dots']!r}: None or 'x2n'")
     own = s16 and (REVERSE["kernel"] == "own" or saved is not None)
     dstates = torch.empty(R, N, K, V, dtype=torch.bfloat16 if own and REVERSE["dstates"] == "16" else torch.float32,
                           device=q.device)
@@ -532,8 +539,9 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dots(q.dtype, "state"))
         grid = (R, triton.cdiv(V, cfg["BV"]))
         if own:
-            qd16 = REVERSE["qd16"] and x["qd"].dtype == torch.bfloat16 and do.dtype == torch.bfloat16
-            _state_bwd2_kernel[grid](*args, QD16=qd16, **launch)
+            b16 = x["qd"].dtype == torch.bfloat16 and do.dtype == torch.bfloat16
+            chain = REVERSE["dots"] if b16 and x["A"].dtype == torch.bfloat16 else None
+            _state_bwd2_kernel[grid](*args, QD16=REVERSE["qd16"] and b16, CHAIN=chain or "", **launch)
         else:
             _state_bwd_kernel[grid](*args, **launch)
 

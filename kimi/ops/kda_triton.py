@@ -123,6 +123,19 @@ if triton is not None:
                 acc = tl.dot(a.to(tl.float32), lo.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, lo, tl.dot(a, hi, acc))
+        elif P == "x2n":   # "x2" as one dot of twice the columns: a @ [hi | lo], then its two halves summed
+            hi = _to16(b, DT, EMULATE)
+            lo = _to16(b.to(tl.float32) - hi.to(tl.float32), DT, EMULATE)
+            M: tl.constexpr = a.shape[0]
+            KB: tl.constexpr = b.shape[0]
+            NB: tl.constexpr = b.shape[1]
+            hl = tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), (KB, 2 * NB))
+            if EMULATE:
+                r = tl.dot(_to16(a, DT, EMULATE).to(tl.float32), hl.to(tl.float32), input_precision="ieee")
+            else:
+                r = tl.dot(a.to(DT), hl)
+            r_hi, r_lo = tl.split(tl.permute(tl.reshape(r, (M, 2, NB)), (0, 2, 1)))
+            acc = acc + r_hi + r_lo
         else:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         return acc
@@ -748,7 +761,7 @@ def state_launch(R: int, K: int, V: int, dtype: torch.dtype, scratch: torch.dtyp
     cfg = {**state_config(K, V, ieee=dtype not in _DT16, block_v=block_v), **(launch or {})}
     prec = _dots(dtype, "state")
     if dots is not None and dtype in _DT16:
-        if dots in ("x2", "16") and scratch != torch.bfloat16:
+        if dots in ("x2", "x2n", "16") and scratch != torch.bfloat16:
             raise ValueError(f"_state_pass: dots={dots!r} needs bf16 w and k~, got {scratch}")
         prec["STATE"] = dots
     return cfg, prec

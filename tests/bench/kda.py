@@ -271,6 +271,12 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             # fewer warps a program (fla's state pass runs 2 or 4): for few sequences × heads
             "state-x2-16c-2w-3s": dict(state_dots="x2", state_block=16, state_warps=2, state_stages=3),
             "state-x2-16c-4w-3s": dict(state_dots="x2", state_block=16, state_warps=4, state_stages=3),
+            # "x2n": the two bf16 parts of S_n and U_n side by side in one dot (half the wgmma groups a chunk)
+            "state-x2n-16c-8w-3s": dict(state_dots="x2n", state_block=16, state_warps=8, state_stages=3),
+            "state-x2n-16c-4w-3s": dict(state_dots="x2n", state_block=16, state_warps=4, state_stages=3),
+            "state-x2n-16c-4w-2s": dict(state_dots="x2n", state_block=16, state_warps=4, state_stages=2),
+            "state-x2n-64c-4w-2s": dict(state_dots="x2n", state_block=64, state_warps=4, state_stages=2),
+            "state-x2n-64c-8w-2s": dict(state_dots="x2n", state_block=64, state_warps=8, state_stages=2),
             # the intra-chunk kernels: v4's strips (one key block at a time) or v6's (the default), and the solve
             "v4": dict(strips="v4"), "v4-4w": dict(strips="v4", strip_warps=4),
             "v4-bk64": dict(strips="v4", block_k4=64), "v4-bk128": dict(strips="v4", block_k4=128),

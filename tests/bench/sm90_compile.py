@@ -1,8 +1,9 @@
 """Compile the project's Triton kernels for SM90 without a GPU and report what the H200 would run: registers,
-spilled bytes, shared memory, wgmma (HGMMA) and mma.sync (HMMA) instructions, cp.async copies and layout
-conversions. Launch arguments are specialized as Triton's launcher does (16-byte-aligned pointers and ints
-divisible by 16 marked so, ints equal to 1 made constants): without that every gather compiles to 2-byte loads
-and the spills come out several times too large.
+spilled bytes, shared memory, wgmma (HGMMA) instructions and the waits on them (one a wgmma where ptxas
+serialized them), mma.sync (HMMA) instructions, cp.async copies and layout conversions. Launch arguments are
+specialized as Triton's launcher does (16-byte-aligned pointers and ints divisible by 16 marked so, ints equal to
+1 made constants): without that every gather compiles to 2-byte loads and the spills come out several times too
+large.
 
     python tests/bench/sm90_compile.py indexer indexer-select sparse-fwd sparse-dq sparse-dkv kda-fwd
     python tests/bench/sm90_compile.py kda-bwd
@@ -68,7 +69,8 @@ def report(fn, ptrs: dict, scalars: dict, consts: dict, **opts) -> dict:
     finally:
         os.unlink(f.name)
     return dict(regs=int(re.search(r"REG:(\d+)", usage).group(1)), spill_bytes=int(re.search(r"STACK:(\d+)",
-                usage).group(1)), smem=c.metadata.shared, HGMMA=sass.count("HGMMA"), HMMA=sass.count("HMMA"),
+                usage).group(1)), smem=c.metadata.shared, HGMMA=sass.count("HGMMA"),
+                wgmma_waits=sass.count("WARPGROUP.DEPBAR"), HMMA=sass.count("HMMA"),
                 cp_async=sass.count("LDGSTS"), converts=c.asm["ttgir"].count("ttg.convert_layout"))
 
 
@@ -354,7 +356,9 @@ def kda_fwd_v4():
         yield f"kda v6 solve bf16 BK=32 warps=4 (Γ read){', q~ k~ d' if qkd else ''}, u {u[1:]}", report(
             kt._solve3_kernel, ptrs, scalars, dict(BK=32, BV=64, LOG_BC=4, LEVELS=6, INVERSE=False, QKD=qkd,
                                                    GAMMA=True, **blocks), num_warps=4, num_stages=2)
-    for dots, bv, warps, stages in (("x2", 16, 8, 2), ("x2", 32, 8, 2), ("x2", 64, 8, 2), ("16", 16, 8, 2)):
+    for dots, bv, warps, stages in (("x2", 16, 8, 2), ("x2", 32, 8, 2), ("x2", 64, 8, 2), ("16", 16, 8, 2),
+                                    ("x2", 16, 8, 3), ("x2n", 16, 8, 3), ("x2n", 16, 4, 2), ("x2n", 64, 4, 2),
+                                    ("x2n", 64, 8, 2)):
         yield f"kda state pass bf16, dots {dots}, {bv} columns, {warps} warps, {stages} stages", report(
             kt._state_kernel, dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=BF,
                                    U_ptr=BF),
@@ -375,9 +379,18 @@ def kda_bwd_saved():
                                         (32, 4, 2, False, F32), (64, 8, 1, False, BF)):
         ptrs = dict(qd_ptr=BF, kd_ptr=BF, w_ptr=BF, A_ptr=A16, d_ptr=F32, do_ptr=BF, dsN_ptr=F32, dh_ptr=dh,
                     dU_ptr=F32, dh0_ptr=F32)
-        consts = dict(C=C, BK=KD, BV=bv, HAS_DSN=True, HAS_DH0=True, QD16=qd16, STATE=prec["STATE"], **common)
+        consts = dict(C=C, BK=KD, BV=bv, HAS_DSN=True, HAS_DH0=True, QD16=qd16, STATE=prec["STATE"], CHAIN="",
+                      **common)
         yield (f"kda reverse state pass (own) bf16, {bv} columns, {warps} warps, {stages} stages, q~ dO "
                f"{'bf16' if qd16 else 'tf32'}, dS {dh[1:]}"), report(
+            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=warps,
+            num_stages=stages)
+    for bv, warps, stages in ((16, 4, 2), (16, 4, 1), (16, 8, 2), (64, 4, 2)):   # `REVERSE["dots"]` "x2n"
+        ptrs = dict(qd_ptr=BF, kd_ptr=BF, w_ptr=BF, A_ptr=A16, d_ptr=F32, do_ptr=BF, dsN_ptr=F32, dh_ptr=BF,
+                    dU_ptr=F32, dh0_ptr=F32)
+        consts = dict(C=C, BK=KD, BV=bv, HAS_DSN=True, HAS_DH0=True, QD16=False, STATE=prec["STATE"], CHAIN="x2n",
+                      **common)
+        yield f"kda reverse state pass (own) bf16, x2n dots, {bv} columns, {warps} warps, {stages} stages", report(
             kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=warps,
             num_stages=stages)
     for name in ("bf16", "fp32"):
@@ -431,12 +444,12 @@ def main():
     unknown = set(a.kernels) - set(KERNELS)
     if unknown:
         ap.error(f"unknown kernels {sorted(unknown)}: choose from {list(KERNELS)}")
-    print(f"triton {triton.__version__}, sm_90, T = {T:,}\n| launch | regs | spill B | smem | HGMMA | HMMA | "
-          "cp.async | converts |\n|---|---|---|---|---|---|---|---|")
+    print(f"triton {triton.__version__}, sm_90, T = {T:,}\n| launch | regs | spill B | smem | HGMMA | wgmma waits | "
+          "HMMA | cp.async | converts |\n|---|---|---|---|---|---|---|---|---|")
     for name in a.kernels or KERNELS:
         for what, r in KERNELS[name]():
-            print(f"| {what} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | {r['HGMMA']} | {r['HMMA']} | "
-                  f"{r['cp_async']} | {r['converts']} |", flush=True)
+            print(f"| {what} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | {r['HGMMA']} | {r['wgmma_waits']} | "
+                  f"{r['HMMA']} | {r['cp_async']} | {r['converts']} |", flush=True)
 
 
 if __name__ == "__main__":
