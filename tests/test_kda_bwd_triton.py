@@ -92,7 +92,7 @@ def test_backward_matches_float64_recurrence(case, dtype):
 
 @pytest.mark.parametrize("variant", ["recompute", "saved", "recompute, own reverse pass, auto columns, wide pairwise",
                                      "saved, 16-column reverse blocks, bf16 dS, q~ dO on bf16",
-                                     "saved, x2n reverse dots, 16-column blocks, 2 stages",
+                                     "saved, x2n reverse dots, 8-column blocks, 2 stages",
                                      "saved, state terms split, wide pairwise, auto columns, bf16 dS"])
 def test_backward_head_dim_128(variant, monkeypatch):
     """K = V = 128 in bf16 (eight key blocks, two value blocks per program), a document start inside the short
@@ -114,6 +114,7 @@ def test_backward_head_dim_128(variant, monkeypatch):
     if "x2n" in variant:
         monkeypatch.setitem(kb.REVERSE, "dots", "x2n")
         monkeypatch.setitem(kb.REVERSE, "num_stages", 2)
+        monkeypatch.setitem(kb.REVERSE, "block_v", 8)
     x = _inputs(1, 40, 1, 128, 128, "bounded", torch.bfloat16)
     reset = resets(1, 40, [[23]])
     do, dsN = _bwd_inputs(x, True)

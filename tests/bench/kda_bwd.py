@@ -51,6 +51,8 @@ VARIANTS = {   # name: the backward's scratch ("saved": the forward's), `kda_bwd
     "saved, reverse x2n dots, 2 stages": dict(saved=True, reverse=dict(dots="x2n", num_stages=2)),
     "saved, reverse x2n dots, 16 columns, 2 stages": dict(saved=True, reverse=dict(dots="x2n", num_stages=2,
                                                                                    block_v=16)),
+    "saved, reverse x2n dots, 8 columns, 2 stages": dict(saved=True, reverse=dict(dots="x2n", num_stages=2,
+                                                                                  block_v=8)),
     "saved, wide pairwise": dict(saved=True, pairwise="wide"),
     "saved, wide pairwise, 8 warps": dict(saved=True, pairwise="wide", dqkg=dict(num_warps=8)),
     "saved, wide pairwise, reverse auto columns": dict(saved=True, pairwise="wide", reverse=dict(block_v="auto")),
