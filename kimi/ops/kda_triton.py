@@ -574,11 +574,14 @@ def solve_config(C: int, K: int, V: int, ieee: bool) -> dict:
 
 def output_config(K: int, V: int, ieee: bool) -> dict:
     """The output kernel's launch config: up to 128 output columns a program (q̃ and Aqk read once a chunk), the key
-    dim in pieces of 64, 8 warps, two stages (sm_90 offline compile at K = V = 128: 76 registers, 96 KB of shared
-    memory); IEEE dots 64 columns and key pieces of 32 (no spills)."""
+    dim in pieces of 64, 8 warps, two stages (sm_90 offline compile at K = V = 128: 60 registers, 48 KB of shared
+    memory; ptxas serializes its wgmma, a wait after each); `V3["output_bk"]` another key piece for 16-bit
+    inputs, one stage when it covers K (at 128: 99 registers, the wgmma not serialized). IEEE dots 64 columns and
+    key pieces of 32 (no spills)."""
     if ieee:
         return dict(BK=min(_pow2(K), 32), BV=min(_pow2(V), 64), num_warps=8, num_stages=2)
-    return dict(BK=min(_pow2(K), 64), BV=min(_pow2(V), 128), num_warps=8, num_stages=2)
+    bk = min(_pow2(K), V3["output_bk"] or 64)
+    return dict(BK=bk, BV=min(_pow2(V), 128), num_warps=8, num_stages=1 if bk >= K else 2)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
@@ -619,7 +622,8 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_kw": 32, "num_warps": 4, "stages": 2,
       "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 2, "solve_warps": None,
-      "block_k4": 32, "block_k6": 16, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True}
+      "block_k4": 32, "block_k6": 16, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True,
+      "output_bk": None}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
@@ -635,7 +639,9 @@ v6 and v4 alike; 2, measured faster than 4 with v6: docs/performance.md#kda); th
 strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": bf16, as FLA's);
 "u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone
 (its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands);
-"strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only w and u.
+"strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only w and u;
+"output_bk" the output kernel's key piece for 16-bit inputs (None: `output_config`'s; the whole key dim in one piece
+runs one stage: the loop over pieces then has one trip).
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
@@ -649,7 +655,8 @@ def _check_v3() -> None:
     if unknown:
         raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
     allowed = {"strips": ("v4", "v6"), "u16": (True, False, "U"), "a16": (True, False),
-               "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32")}
+               "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32"),
+               "output_bk": (None, 16, 32, 64, 128, 256)}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
     if bad:
         raise ValueError(f"kda_triton.V3: {bad} not among {({n: allowed[n] for n in bad})}")
