@@ -97,9 +97,10 @@ if triton is not None:
     def _dot(a, b, acc, P: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
         """acc + a @ b, accumulated in fp32, operands as P says: "ieee" fp32, "tf32" (10-bit mantissas), "16" (DT:
         bf16 / fp16), "x2" (a already in DT, b split into two DT parts hi + lo: two 16-bit dots, b kept to 16 bits
-        of mantissa, a 16-bit operand never widened in registers). Under the interpreter (EMULATE), whose 16-bit
-        dot is wrong and whose TF32 is full fp32, the operands are rounded as the tensor cores take them (TF32: low
-        13 bits dropped) and multiplied exactly."""
+        of mantissa, a 16-bit operand never widened in registers), "x2n" (the same parts as the two column halves
+        of one dot, a @ [hi | lo], then the halves added: one wgmma group). Under the interpreter (EMULATE), whose
+        16-bit dot is wrong and whose TF32 is full fp32, the operands are rounded as the tensor cores take them
+        (TF32: low 13 bits dropped) and multiplied exactly."""
         if P == "16":
             a = _to16(a, DT, EMULATE)
             b = _to16(b, DT, EMULATE)
@@ -630,7 +631,9 @@ or "auto");
 and output dots then round their operands to TF32 or take them as bf16) or "fp32";
 "state_stages", "state_warps" the state pass's launch, "state_dots" its dots' operands with bf16 scratch ("tf32";
 "x2": w and k̃ as they are stored, S_n and U_n split in two bf16 parts, more exact than TF32 with no fp32 copy of w
-and k̃ in registers; "16": S_n and U_n rounded to bf16, as FLA's state pass); "state_block" "auto": `_auto_state`
+and k̃ in registers; "x2n": the same products with the two parts side by side in one dot of twice the columns, half
+the wgmma groups on the chain, and its dots 16 wide at a "state_block" of 8; "16": S_n and U_n rounded to bf16, as
+FLA's state pass); "state_block" "auto": `_auto_state`
 picks the columns, warps, stages and dots by the shape (the other three options then unused);
 the intra-chunk launches: "strips" "v6" (`_gamma_kernel`, then `_strips6_kernel` with key pieces of "block_k6") or
 "v4" (`_strips4_kernel`, key pieces of "block_k4"; what fp32 inputs run), "strip_warps" their warps (16-bit inputs,
