@@ -406,14 +406,17 @@ or in their own launch (`_bwd_state_kernel`, "block_k" key channels and "block_v
 its programs no longer re-read U_n, dU, dO and (I + L)⁻¹ for every 16 key channels."""
 
 REVERSE = {"kernel": "v3", "block_v": "auto", "num_warps": None, "num_stages": None, "qd16": False,
-           "dstates": "16", "dots": None}
+           "dstates": "16", "dots": "auto"}
 """The reverse state pass for 16-bit inputs: "kernel" "v3" (`kda_triton._state_bwd_kernel`) or "own"
 (`_state_bwd2_kernel`: tiles in their stored dtype; "qd16" its q̃ᵀ dO on 16-bit operands when q̃ is stored in 16
 bits: exact, but more registers), "own" always from the forward's scratch (`saved`); "block_v",
 "num_warps", "num_stages" over `state_config`'s (None: its own); "dstates" the dtype of the stored dS_{n+1}:
 "fp32" or "16" (bf16, with "own"); "dots" the operands of the own kernel's two dots on the chain (k̃ dS_{n+1}, wᵀ dU_n)
-with bf16 scratch: None (`PRECISION["state"]`) or "x2n" (dS and dU as two bf16 parts side by side in one dot, as
-the forward's `V3["state_dots"]`). block_v "auto": by the sequences × heads (`reverse_config`)."""
+with bf16 scratch: None (`PRECISION["state"]`), "x2n" (dS and dU as two bf16 parts side by side in one dot, as
+the forward's `V3["state_dots"]`; two stages unless "num_stages" says otherwise: at one ptxas serializes its
+wgmma) or "auto" ("x2n" where the block is at most 16 columns, few sequences × heads: at 65,536 × 8 the backward
+took 7.9 ms against 10.3, at 8,192 × 96's 64 columns 10.3 against 10.1; docs/performance.md, KDA round 8).
+block_v "auto": by the sequences × heads (`reverse_config`)."""
 
 
 @functools.cache
@@ -438,18 +441,26 @@ def dqkg_config(C: int, K: int, V: int, ieee: bool) -> dict:
     return dict(BK=16, BV=min(_pow2(V), 32), num_warps=8 if C >= 64 and ieee else 4, num_stages=1)
 
 
-def reverse_config(K: int, V: int, ieee: bool, rows: int = 1, sms: int = 132) -> dict:
-    """The reverse state pass's launch config: `state_config`'s, with `REVERSE`'s overrides for 16-bit inputs.
-    block_v "auto": the narrowest column block (of 16, 32, 64) whose programs, `rows` sequences × heads times the
-    column blocks, still fit one wave of two programs on each of `sms` SMs (each program is a sequential walk over
-    the chunks: a second wave doubles the time, fewer programs leave SMs idle)."""
-    cfg = state_config(K, V, ieee=ieee)
+def reverse_config(K: int, V: int, ieee: bool, rows: int = 1, sms: int = 132, chain: bool = False) -> dict:
+    """The reverse state pass's launch config: `state_config`'s, with `REVERSE`'s overrides for 16-bit inputs, and
+    "CHAIN", the chain dots of the own kernel on bf16 tiles (`chain`: "" or "x2n", `REVERSE["dots"]`). block_v
+    "auto": the narrowest column block (of 16, 32, 64) whose programs, `rows` sequences × heads times the column
+    blocks, still fit one wave of two programs on each of `sms` SMs (each program is a sequential walk over the
+    chunks: a second wave doubles the time, fewer programs leave SMs idle)."""
+    cfg = dict(state_config(K, V, ieee=ieee), CHAIN="")
     if not ieee:
         bv = REVERSE["block_v"]
         if bv == "auto":
             bv = next((b for b in (16, 32) if rows * -(-V // b) <= 2 * sms), 64)
-        over = dict(BV=bv, num_warps=REVERSE["num_warps"], num_stages=REVERSE["num_stages"])
-        cfg.update({n: min(_pow2(V), x) if n == "BV" else x for n, x in over.items() if x is not None})
+        bv = min(_pow2(V), bv)
+        dots = REVERSE["dots"] if chain else None
+        if dots == "auto":
+            dots = "x2n" if bv <= 16 else None
+        cfg.update(BV=bv, CHAIN=dots or "")
+        if dots:
+            cfg["num_stages"] = 2
+        over = dict(num_warps=REVERSE["num_warps"], num_stages=REVERSE["num_stages"])
+        cfg.update({n: x for n, x in over.items() if x is not None})
     return cfg
 
 
@@ -520,8 +531,8 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     s16 = q.dtype in _DT16
     # the saved scratch is 16-bit for 16-bit inputs, which `_state_bwd2_kernel` takes as stored (under the
     # interpreter `_state_bwd_kernel`'s negation of a bf16 tile is wrong)
-    if REVERSE["dots"] not in (None, "x2n"):
-        raise ValueError(f"kda_bwd_triton.REVERSE['dots'] = {REVERSE['dots']!r}: None or 'x2n'")
+    if REVERSE["dots"] not in (None, "x2n", "auto"):
+        raise ValueError(f"kda_bwd_triton.REVERSE['dots'] = {REVERSE['dots']!r}: None, 'x2n' or 'auto'")
     own = s16 and (REVERSE["kernel"] == "own" or saved is not None)
     dstates = torch.empty(R, N, K, V, dtype=torch.bfloat16 if own and REVERSE["dstates"] == "16" else torch.float32,
                           device=q.device)
@@ -532,16 +543,16 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 
     def reverse_pass():
         sms = sm_count(q.device) if q.is_cuda else 132
-        cfg = reverse_config(K, V, ieee=not s16, rows=R, sms=sms)
+        b16 = x["qd"].dtype == x["A"].dtype == do.dtype == torch.bfloat16
+        cfg = reverse_config(K, V, ieee=not s16, rows=R, sms=sms, chain=own and b16)
         args = (x["qd"], x["kd"], x["w"], x["A"], x["d"], do, dsN if dsN is not None else dU, dstates, dU,
                 dh0 if dh0 is not None else dU, T, H, K, V, N)
         launch = dict(C=C, BK=cfg["BK"], BV=cfg["BV"], HAS_DSN=dsN is not None, HAS_DH0=dh0 is not None,
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dots(q.dtype, "state"))
         grid = (R, triton.cdiv(V, cfg["BV"]))
         if own:
-            b16 = x["qd"].dtype == torch.bfloat16 and do.dtype == torch.bfloat16
-            chain = REVERSE["dots"] if b16 and x["A"].dtype == torch.bfloat16 else None
-            _state_bwd2_kernel[grid](*args, QD16=REVERSE["qd16"] and b16, CHAIN=chain or "", **launch)
+            qd16 = REVERSE["qd16"] and x["qd"].dtype == do.dtype == torch.bfloat16
+            _state_bwd2_kernel[grid](*args, QD16=qd16, CHAIN=cfg["CHAIN"], **launch)
         else:
             _state_bwd_kernel[grid](*args, **launch)
 

@@ -795,16 +795,20 @@ def u_out_buffer(x: dict[str, Tensor]) -> Tensor | None:
 
 def _auto_state(R: int, V: int, device: torch.device) -> tuple[int, dict, str]:
     """The state pass's launch for 16-bit inputs by the shape (`V3["state_block"] = "auto"`): (state columns a
-    program, num_warps and num_stages, dots), always "x2" dots. With a program of 64 columns for every SM: 64 columns,
-    4 warps, two stages (two programs an SM, all in one wave). With fewer rows (B·H) the pass is bound by each
-    program's chain of dependent dots, so more and shorter chains win: 16 columns, at 4 warps and two stages, or at
-    8 warps and three stages when even then there is at most one program an SM (docs/performance.md)."""
+    program, num_warps and num_stages, dots). With a program of 64 columns for every SM: 64 columns, 4 warps, two
+    stages, "x2" dots (two programs an SM, all in one wave; "x2n" measured 8 % slower there). With fewer rows (B·H)
+    the pass is bound by each program's chain of dependent dots, so more and shorter chains win, with "x2n" dots
+    (one wgmma group a product on the chain): 8 columns at 8 warps and three stages while that still leaves at most
+    one program an SM, else 16 columns at 8 warps and three stages, or at 4 warps and two stages when there are
+    more programs than SMs (docs/performance.md, KDA round 8)."""
     sms = sm_count(device) if device.type == "cuda" else 132
     if R * triton.cdiv(V, 64) >= sms:
         return 64, dict(num_warps=4, num_stages=2), "x2"
+    if R * triton.cdiv(V, 8) <= sms:
+        return 8, dict(num_warps=8, num_stages=3), "x2n"
     if R * triton.cdiv(V, 16) <= sms:
-        return 16, dict(num_warps=8, num_stages=3), "x2"
-    return 16, dict(num_warps=4, num_stages=2), "x2"
+        return 16, dict(num_warps=8, num_stages=3), "x2n"
+    return 16, dict(num_warps=4, num_stages=2), "x2n"
 
 
 def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
