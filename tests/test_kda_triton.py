@@ -144,8 +144,8 @@ def test_head_dim_128(dtype):
 def test_forward_options(monkeypatch):
     """The forward's options (kda_triton.V3) at K = V = 128 in bf16, a document start inside a chunk: v4's strips
     with other w pieces and fp32 scratch and states, or with the state pass's "x2" dots in 16-column blocks; its
-    "x2n" dots (the two bf16 parts side by side in one dot), also in 8-column blocks (with the output kernel's
-    whole key dim in one piece); the
+    "x2n" dots (the two bf16 parts side by side in one dot) in 16-column blocks (the default at these few heads:
+    8 columns), "x2" in 64 (the default at 96 heads) with the output kernel's whole key dim in one piece; the
     state pass's bf16 dots; the solve's bf16 dots; u as well as U_n in bf16 with q̃, k̃ and d from the solve; fp32
     u, U_n and Aqk; each within the bf16 tolerance of the float64 recurrence;
     the default bf16 scratch really rounded (it differs from the fp32 scratch's result). Two gate kinds as two
@@ -158,8 +158,8 @@ def test_forward_options(monkeypatch):
     o_16, _ = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
     for options in (dict(strips="v4", block_kw=16, scratch="fp32", states="fp32"),
                     dict(strips="v4", block_kw=64, state_dots="x2", state_block=16, state_warps=8, state_stages=2),
-                    dict(state_dots="x2n", state_block=16, state_warps=8, state_stages=3),
-                    dict(state_dots="x2n", state_block=8, state_warps=4, state_stages=2, output_bk=128),
+                    dict(state_dots="x2n", state_block=16, state_warps=4, state_stages=2),
+                    dict(state_dots="x2", state_block=64, state_warps=4, state_stages=2, output_bk=128),
                     dict(state_dots="16", state_block=32), dict(solve_dots="16", block_kw=64),
                     dict(u16=True, strips_qkd=False), dict(u16=False, a16=False)):
         with monkeypatch.context() as mp:

@@ -279,7 +279,6 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "state-x2n-64c-8w-2s": dict(state_dots="x2n", state_block=64, state_warps=8, state_stages=2),
             # 8 columns a program (x2n's dots are then 16 wide): twice the programs at few sequences x heads
             "state-x2n-8c-8w-3s": dict(state_dots="x2n", state_block=8, state_warps=8, state_stages=3),
-            "state-x2n-8c-4w-2s": dict(state_dots="x2n", state_block=8, state_warps=4, state_stages=2),
             # the output kernel's whole key dim in one piece (one stage): its wgmma not serialized (sm_90 offline)
             "output-bk128": dict(output_bk=128),
             # the intra-chunk kernels: v4's strips (one key block at a time) or v6's (the default), and the solve
