@@ -91,7 +91,7 @@ def test_backward_matches_float64_recurrence(case, dtype):
 
 
 @pytest.mark.parametrize("variant", ["recompute", "saved", "recompute, own reverse pass, auto columns, wide pairwise",
-                                     "saved, 16-column reverse blocks, bf16 dS, q~ dO on bf16",
+                                     "saved, 16-column reverse blocks, bf16 dS, q~ dO on bf16, TF32 chain",
                                      "saved, x2n reverse dots, 8-column blocks, 2 stages",
                                      "saved, state terms split, wide pairwise, auto columns, bf16 dS"])
 def test_backward_head_dim_128(variant, monkeypatch):
@@ -111,6 +111,8 @@ def test_backward_head_dim_128(variant, monkeypatch):
     if "16-column" in variant:
         monkeypatch.setitem(kb.REVERSE, "block_v", 16)
         monkeypatch.setitem(kb.REVERSE, "qd16", "q~ dO on bf16" in variant)
+    if "TF32 chain" in variant:   # the chain's dots as at 96 heads' 64-column blocks
+        monkeypatch.setitem(kb.REVERSE, "dots", None)
     if "x2n" in variant:
         monkeypatch.setitem(kb.REVERSE, "dots", "x2n")
         monkeypatch.setitem(kb.REVERSE, "num_stages", 2)
@@ -131,6 +133,28 @@ def _saved_grads(x, reset, do, dsN, scale, **kw):
     assert torch.equal(o, o_ref) and torch.equal(sN, sN_ref)
     assert {n: (tuple(t.shape), t.dtype) for n, t in saved.items()} == kb.saved_layout(x["q"], x["v"], **kw)
     return kb.kda_chunk_bwd_triton(*inputs[:-1], inputs[-1], do, dsN, scale=scale, saved=saved, **kw)
+
+
+def test_x2n_chain_equals_x2(monkeypatch):
+    """"x2n" (the two bf16 parts of dS / dU side by side in one dot) forms the same products as "x2" (two dots)
+    and adds them in the same order, so under the interpreter, which multiplies the rounded operands exactly, the
+    gradients and the forward's output and state are equal bit for bit in the same 16-column blocks (a dropped or
+    misplaced part changes them). V = 20 leaves the blocks partly masked. (The 8-column blocks the defaults take at
+    few heads run in every bf16 test here against float64.)"""
+    x = _inputs(1, 150, 1, 32, 20, "bounded", torch.bfloat16)
+    reset = resets(1, 150, [[70]])
+    do, dsN = _bwd_inputs(x, True)
+    out = {}
+    for dots in ("x2n", "x2"):
+        with monkeypatch.context() as mp:
+            mp.setitem(kt.V3, "state_dots", dots)
+            mp.setitem(kt.V3, "state_block", 16)
+            mp.setitem(kb.REVERSE, "dots", dots)
+            mp.setitem(kb.REVERSE, "block_v", 16)
+            mp.setitem(kb.REVERSE, "num_stages", 2)
+            grads = _saved_grads(x, reset, do, dsN, 0.25)
+            out[dots] = [*grads, *_call(kt.kda_chunk_fwd_triton, x, reset, scale=0.25)]
+    assert all(torch.equal(a, b) for a, b in zip(out["x2n"], out["x2"]))
 
 
 @pytest.mark.parametrize("case, dtype, pairwise", [

@@ -80,8 +80,9 @@ if triton is not None:
         # reverse, dS in fp32 registers), with the chunk's tiles loaded in their stored dtype (a pipelined loop,
         # num_stages > 1, fetches the next chunk's during this one's dots: none depends on dS), dS_{n+1} stored in
         # dh's dtype (rounded to nearest), and QD16: q̃ᵀ dO on 16-bit operands (both are stored in 16 bits: the
-        # products are the TF32 ones). CHAIN: the operands of the two dots on the chain, k̃ dS and wᵀ dU ("x2n": dS
-        # and dU as two bf16 parts; Aqkᵀ dO and q̃ᵀ dO then on 16-bit operands, all stored so); "": STATE's.
+        # products are the TF32 ones). CHAIN: the operands of the two dots on the chain, k̃ dS and wᵀ dU ("x2" /
+        # "x2n": dS and dU as two bf16 parts; Aqkᵀ dO and q̃ᵀ dO then on 16-bit operands, all stored so); "":
+        # STATE's.
         CH: tl.constexpr = CHAIN if CHAIN != "" else STATE
         AD: tl.constexpr = "16" if CHAIN != "" else STATE
         bh = tl.program_id(0).to(tl.int64)
@@ -412,10 +413,12 @@ REVERSE = {"kernel": "v3", "block_v": "auto", "num_warps": None, "num_stages": N
 bits: exact, but more registers), "own" always from the forward's scratch (`saved`); "block_v",
 "num_warps", "num_stages" over `state_config`'s (None: its own); "dstates" the dtype of the stored dS_{n+1}:
 "fp32" or "16" (bf16, with "own"); "dots" the operands of the own kernel's two dots on the chain (k̃ dS_{n+1}, wᵀ dU_n)
-with bf16 scratch: None (`PRECISION["state"]`), "x2n" (dS and dU as two bf16 parts side by side in one dot, as
+with bf16 scratch: None (`PRECISION["state"]`), "x2" (dS and dU as two bf16 parts, two dots), "x2n" (the same
+parts side by side in one dot, as
 the forward's `V3["state_dots"]`; two stages unless "num_stages" says otherwise: at one ptxas serializes its
-wgmma) or "auto" ("x2n" where the block is at most 16 columns, few sequences × heads: at 65,536 × 8 the backward
-took 7.9 ms against 10.3, at 8,192 × 96's 64 columns 10.3 against 10.1; docs/performance.md, KDA round 8).
+wgmma) or "auto" ("x2n" where the block is at most 16 columns, few sequences × heads, and K ≤ 128: at 65,536 × 8
+the backward took 7.9 ms against 10.3; x2n at 8,192 × 96's 64 columns 10.3 against 10.1; docs/performance.md, KDA
+round 8).
 block_v "auto": by the sequences × heads (`reverse_config`)."""
 
 
@@ -443,19 +446,20 @@ def dqkg_config(C: int, K: int, V: int, ieee: bool) -> dict:
 
 def reverse_config(K: int, V: int, ieee: bool, rows: int = 1, sms: int = 132, chain: bool = False) -> dict:
     """The reverse state pass's launch config: `state_config`'s, with `REVERSE`'s overrides for 16-bit inputs, and
-    "CHAIN", the chain dots of the own kernel on bf16 tiles (`chain`: "" or "x2n", `REVERSE["dots"]`). block_v
-    "auto": the narrowest column block (of 16, 32, 64) whose programs, `rows` sequences × heads times the column
-    blocks, still fit one wave of two programs on each of `sms` SMs (each program is a sequential walk over the
-    chunks: a second wave doubles the time, fewer programs leave SMs idle)."""
+    "CHAIN" ("" or "x2n", `REVERSE["dots"]`), the chain dots of the own kernel when it runs on bf16 tiles (`chain`
+    True). block_v "auto": the narrowest column block (of 16, 32, 64) whose programs, `rows` sequences × heads times
+    the column blocks, still fit one wave of two programs on each of `sms` SMs (each program is a sequential walk
+    over the chunks: a second wave doubles the time, fewer programs leave SMs idle). "auto" dots take x2n only up to
+    K = 128 (its two stages at K = 256 need more shared memory than Hopper has)."""
     cfg = dict(state_config(K, V, ieee=ieee), CHAIN="")
     if not ieee:
         bv = REVERSE["block_v"]
         if bv == "auto":
             bv = next((b for b in (16, 32) if rows * -(-V // b) <= 2 * sms), 64)
-        bv = min(_pow2(V), bv)
+        bv = cfg["BV"] if bv is None else min(_pow2(V), bv)
         dots = REVERSE["dots"] if chain else None
         if dots == "auto":
-            dots = "x2n" if bv <= 16 else None
+            dots = "x2n" if bv <= 16 and cfg["BK"] <= 128 else None
         cfg.update(BV=bv, CHAIN=dots or "")
         if dots:
             cfg["num_stages"] = 2
@@ -531,8 +535,8 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     s16 = q.dtype in _DT16
     # the saved scratch is 16-bit for 16-bit inputs, which `_state_bwd2_kernel` takes as stored (under the
     # interpreter `_state_bwd_kernel`'s negation of a bf16 tile is wrong)
-    if REVERSE["dots"] not in (None, "x2n", "auto"):
-        raise ValueError(f"kda_bwd_triton.REVERSE['dots'] = {REVERSE['dots']!r}: None, 'x2n' or 'auto'")
+    if REVERSE["dots"] not in (None, "x2", "x2n", "auto"):
+        raise ValueError(f"kda_bwd_triton.REVERSE['dots'] = {REVERSE['dots']!r}: None, 'x2', 'x2n' or 'auto'")
     own = s16 and (REVERSE["kernel"] == "own" or saved is not None)
     dstates = torch.empty(R, N, K, V, dtype=torch.bfloat16 if own and REVERSE["dstates"] == "16" else torch.float32,
                           device=q.device)

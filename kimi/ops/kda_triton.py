@@ -581,7 +581,9 @@ def output_config(K: int, V: int, ieee: bool) -> dict:
     key pieces of 32 (no spills)."""
     if ieee:
         return dict(BK=min(_pow2(K), 32), BV=min(_pow2(V), 64), num_warps=8, num_stages=2)
-    bk = min(_pow2(K), V3["output_bk"] or 64)
+    if V3["output_bk"] is None:
+        return dict(BK=min(_pow2(K), 64), BV=min(_pow2(V), 128), num_warps=8, num_stages=2)
+    bk = min(_pow2(K), V3["output_bk"])
     return dict(BK=bk, BV=min(_pow2(V), 128), num_warps=8, num_stages=1 if bk >= K else 2)
 
 
@@ -796,7 +798,7 @@ def u_out_buffer(x: dict[str, Tensor]) -> Tensor | None:
 def _auto_state(R: int, V: int, device: torch.device) -> tuple[int, dict, str]:
     """The state pass's launch for 16-bit inputs by the shape (`V3["state_block"] = "auto"`): (state columns a
     program, num_warps and num_stages, dots). With a program of 64 columns for every SM: 64 columns, 4 warps, two
-    stages, "x2" dots (two programs an SM, all in one wave; "x2n" measured 8 % slower there). With fewer rows (B·H)
+    stages, "x2" dots (two programs an SM, all in one wave; "x2n" at 64 columns and 8 warps took 9 % longer). With fewer rows (B·H)
     the pass is bound by each program's chain of dependent dots, so more and shorter chains win, with "x2n" dots
     (one wgmma group a product on the chain): 8 columns at 8 warps and three stages while that still leaves at most
     one program an SM, else 16 columns at 8 warps and three stages, or at 4 warps and two stages when there are

@@ -48,6 +48,8 @@ VARIANTS = {   # name: the backward's scratch ("saved": the forward's), `kda_bwd
     "saved, reverse 2 warps, 2 stages": dict(saved=True, reverse=dict(num_warps=2, num_stages=2)),
     "saved, reverse bf16 dS": dict(saved=True, reverse=dict(dstates="16")),
     "saved, reverse q~ dO on bf16 operands": dict(saved=True, reverse=dict(qd16=True)),
+    "saved, reverse TF32 chain, one stage (the default before KDA round 8)": dict(saved=True, reverse=dict(
+        dots=None, num_stages=1)),
     "saved, reverse x2n dots, 2 stages": dict(saved=True, reverse=dict(dots="x2n", num_stages=2)),
     "saved, reverse x2n dots, 16 columns, 2 stages": dict(saved=True, reverse=dict(dots="x2n", num_stages=2,
                                                                                    block_v=16)),
