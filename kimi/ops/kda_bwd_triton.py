@@ -85,6 +85,7 @@ if triton is not None:
         # STATE's.
         CH: tl.constexpr = CHAIN if CHAIN != "" else STATE
         AD: tl.constexpr = "16" if CHAIN != "" else STATE
+        QD: tl.constexpr = "16" if QD16 or CHAIN != "" else STATE
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -114,10 +115,7 @@ if triton is not None:
             qd = tl.load(qd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             w = tl.load(w_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             dn = tl.load(d_ptr + (bh * N + n) * K + kk, mask=mk, other=0.0)
-            if QD16 or CHAIN != "":
-                dS = _dot(tl.trans(qd), do, dn[:, None] * dS, "16", DT, EMULATE)
-            else:
-                dS = _dot(tl.trans(qd), do, dn[:, None] * dS, STATE, DT, EMULATE)
+            dS = _dot(tl.trans(qd), do, dn[:, None] * dS, QD, DT, EMULATE)
             dS = _dot(tl.trans(w), -dU, dS, CH, DT, EMULATE)
         if HAS_DH0:
             tl.store(dh0_ptr + bh * K * V + kk[:, None] * V + vv[None, :], dS, mask=m_kv)
@@ -414,9 +412,8 @@ bits: exact, but more registers), "own" always from the forward's scratch (`save
 "num_warps", "num_stages" over `state_config`'s (None: its own); "dstates" the dtype of the stored dS_{n+1}:
 "fp32" or "16" (bf16, with "own"); "dots" the operands of the own kernel's two dots on the chain (k̃ dS_{n+1}, wᵀ dU_n)
 with bf16 scratch: None (`PRECISION["state"]`), "x2" (dS and dU as two bf16 parts, two dots), "x2n" (the same
-parts side by side in one dot, as
-the forward's `V3["state_dots"]`; two stages unless "num_stages" says otherwise: at one ptxas serializes its
-wgmma) or "auto" ("x2n" where the block is at most 16 columns, few sequences × heads, and K ≤ 128: at 65,536 × 8
+parts side by side in one dot, as the forward's `V3["state_dots"]`; two stages unless "num_stages" says otherwise:
+at one ptxas serializes its wgmma) or "auto" ("x2n" where the block is at most 16 columns, few sequences × heads, and K ≤ 128: at 65,536 × 8
 the backward took 7.9 ms against 10.3; x2n at 8,192 × 96's 64 columns 10.3 against 10.1; docs/performance.md, KDA
 round 8).
 block_v "auto": by the sequences × heads (`reverse_config`)."""

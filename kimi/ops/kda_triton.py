@@ -744,8 +744,8 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     u's shape, `u_out_buffer`) or else over x["u"].
     block_v: the state columns of a program for 16-bit inputs (None: `state_config`'s own; "auto": `_auto_state`
     picks them, the launch and the dots by the shape); launch: num_warps and num_stages over `state_config`'s; dots:
-    the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2" and "16" need bf16 w and k̃,
-    `_dot`)."""
+    the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2", "x2n" and "16" need bf16 w
+    and k̃, `_dot`)."""
     R, N, C = x["w"].shape[:3]
     scratch = x["w"].dtype if x["w"].dtype == x["kd"].dtype else torch.float32
     cfg, prec = state_launch(R, K, V, dtype, scratch, x["w"].device, block_v=block_v, launch=launch, dots=dots)
@@ -798,11 +798,11 @@ def u_out_buffer(x: dict[str, Tensor]) -> Tensor | None:
 def _auto_state(R: int, V: int, device: torch.device) -> tuple[int, dict, str]:
     """The state pass's launch for 16-bit inputs by the shape (`V3["state_block"] = "auto"`): (state columns a
     program, num_warps and num_stages, dots). With a program of 64 columns for every SM: 64 columns, 4 warps, two
-    stages, "x2" dots (two programs an SM, all in one wave; "x2n" at 64 columns and 8 warps took 9 % longer). With fewer rows (B·H)
-    the pass is bound by each program's chain of dependent dots, so more and shorter chains win, with "x2n" dots
-    (one wgmma group a product on the chain): 8 columns at 8 warps and three stages while that still leaves at most
-    one program an SM, else 16 columns at 8 warps and three stages, or at 4 warps and two stages when there are
-    more programs than SMs (docs/performance.md, KDA round 8)."""
+    stages, "x2" dots (two programs an SM, all in one wave; "x2n" at 64 columns and 8 warps took 9 % longer). With
+    fewer rows (B·H) the pass is bound by each program's chain of dependent dots, so more and shorter chains win,
+    with "x2n" dots (one wgmma group a product on the chain): 8 columns at 8 warps and three stages while that still
+    leaves at most one program an SM, else 16 columns at 8 warps and three stages, or at 4 warps and two stages when
+    there are more programs than SMs (docs/performance.md, KDA round 8)."""
     sms = sm_count(device) if device.type == "cuda" else 132
     if R * triton.cdiv(V, 64) >= sms:
         return 64, dict(num_warps=4, num_stages=2), "x2"
