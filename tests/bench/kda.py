@@ -295,7 +295,10 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
             # the v6 strips' key pieces (16 by default since KDA round 6)
-            "bk32": dict(block_k6=32)}
+            "bk32": dict(block_k6=32),
+            # the strips of query blocks 0 and 1 over only the keys up to their end (16 and 32, not 64)
+            "strip-trim": dict(strip_trim=True), "strip-trim-4w": dict(strip_trim=True, strip_warps=4),
+            "strip-trim-bk32": dict(strip_trim=True, block_k6=32)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
