@@ -177,7 +177,8 @@ def test_forward_options(monkeypatch):
 
 def test_strip_trim_equals_full_strips(monkeypatch):
     """`V3["strip_trim"]`: the strips of query blocks 0 and 1 meet only the first 16 and 32 keys of the chunk (a
-    body of their own each) instead of all 64 masked past their end. The same products, so under the interpreter
+    body of their own each) instead of all 64 masked past their end; with 48, block 2 its 48 keys as tiles of 32
+    and 16. The same products, so under the interpreter
     every scratch tensor (Aqk's zero columns past the trimmed keys included) and the forward's output and state
     equal the untrimmed strips' bit for bit: bf16, documents starting inside chunks, a partial last chunk, two key
     pieces, scratch allocated full of NaN (a column the trimmed strips failed to write would show)."""
@@ -187,14 +188,15 @@ def test_strip_trim_equals_full_strips(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
                         if k.get("dtype", torch.float32).is_floating_point else empty(*a, **k))
     got = {}
-    for trim in (False, True):
+    for trim in (False, True, 48):
         monkeypatch.setitem(kt.V3, "strip_trim", trim)
         scratch = kt.kda_intra_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], reset, scale=0.2, inverse=True,
                                       scratch=torch.bfloat16)
         got[trim] = scratch, _call(kt.kda_chunk_fwd_triton, x, reset, scale=0.2)
-    for name, t in got[False][0].items():
-        assert not t.isnan().any() and torch.equal(t, got[True][0][name]), name
-    assert all(torch.equal(a, b) for a, b in zip(got[False][1], got[True][1]))
+    for trim in (True, 48):
+        for name, t in got[False][0].items():
+            assert not t.isnan().any() and torch.equal(t, got[trim][0][name]), (trim, name)
+        assert all(torch.equal(a, b) for a, b in zip(got[False][1], got[trim][1])), trim
 
 
 @settings(max_examples=10, deadline=None)

@@ -474,72 +474,103 @@ if triton is not None:
         tl.store(r_ptr + out[:, None] * K + kk[None, :], tl.cumsum(g.to(tl.float32), 0), mask=(kk < K)[None, :])
 
     @triton.jit
+    def _anchored_keys(k_ptr, r_ptr, kk, mk, g_na, n, bh, seq, h, T, H, K, N, end, C: tl.constexpr,
+                       K0: tl.constexpr, W: tl.constexpr):
+        """Keys K0..K0+W−1 of chunk n on key piece kk, anchored at the strip's first row: k_j e^{Γ_{n_a} − Γ_j},
+        zero from row `end` on (past the strip) and past T: [W, BK] fp32."""
+        keys = K0 + tl.arange(0, W)
+        tk = n * C + keys
+        upto = ((tk < T) & (keys < end))[:, None]
+        gam = tl.load(r_ptr + ((bh * N + n) * C + keys)[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
+        kt = tl.load(k_ptr + ((seq * T + tk) * H + h)[:, None] * K + kk[None, :], mask=upto & mk,
+                     other=0.0).to(tl.float32)
+        return tl.where(upto, kt * tl.exp(tl.where(upto, g_na[None, :] - gam, 0.0)), 0.0)
+
+    @triton.jit
+    def _store_strip(A_ptr, M_ptr, reset_ptr, s_qk, s_kk, a_rows, ra, seg_a, rst, beta_a, scale, n, seq, T,
+                     C: tl.constexpr, K0: tl.constexpr, W: tl.constexpr, HAS_RESET: tl.constexpr,
+                     EMULATE: tl.constexpr):
+        """A strip's columns K0..K0+W−1 of Aqk (r ≥ j) and β·L (r > j), masked by segment (rst: the chunk's
+        document starts)."""
+        keys = K0 + tl.arange(0, W)
+        if HAS_RESET:
+            tk = n * C + keys
+            seg_k = tl.cumsum(tl.load(reset_ptr + seq * T + tk, mask=tk < T, other=0), 0)
+            if K0 > 0:
+                seg_k += tl.sum(tl.where(tl.arange(0, C) < K0, rst, 0), 0)
+        else:
+            seg_k = tl.zeros([W], dtype=tl.int32)
+        same = seg_a[:, None] == seg_k[None, :]
+        a_qk = tl.where(same & (keys[None, :] <= ra[:, None]), s_qk * scale, 0.0)
+        tl.store(A_ptr + a_rows[:, None] * C + keys[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
+        tl.store(M_ptr + a_rows[:, None] * C + keys[None, :],
+                 tl.where(same & (keys[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
+
+    @triton.jit
     def _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq, h, T, H, K,
-                     N, scale, seg_a, n_seg, beta_a, C: tl.constexpr, CK: tl.constexpr, BC: tl.constexpr,
-                     BK: tl.constexpr, HAS_RESET: tl.constexpr, PAIR: tl.constexpr, DT: tl.constexpr,
-                     EMULATE: tl.constexpr, QKD: tl.constexpr):
-        """Strip a's rows of Aqk and β·L against the chunk's first CK keys (those up to the strip's end, CK ≥
-        (a + 1)·BC), stored with Aqk's columns from CK on zero (M's are never read there: the solve reads the
-        blocks left of the diagonal); q̃, k̃ of the strip's rows and d as `_strips6_kernel` says."""
+                     N, scale, seg_a, rst, n_seg, beta_a, C: tl.constexpr, CK: tl.constexpr, CK2: tl.constexpr,
+                     BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr, PAIR: tl.constexpr,
+                     DT: tl.constexpr, EMULATE: tl.constexpr, QKD: tl.constexpr):
+        """Strip a's rows of Aqk and β·L against the chunk's first CK keys and, if CK2 > 0, the next CK2 as a
+        second tile (together at least those up to the strip's end, (a + 1)·BC), stored with Aqk's columns past
+        them zero (M's are never read there: the solve reads the blocks left of the diagonal); q̃, k̃ of the
+        strip's rows and d as `_strips6_kernel` says."""
         NB: tl.constexpr = C // BC
-        lr = tl.arange(0, BC)
-        ra = a * BC + lr
+        ra = a * BC + tl.arange(0, BC)
         va = ((n * C + ra) < T)[:, None]
         toka = (seq * T + n * C + ra) * H + h
         a_rows = (bh * N + n) * C + ra
-        keys = tl.arange(0, CK)
-        tk = n * C + keys
-        tokk = (seq * T + tk) * H + h
-        if HAS_RESET:
-            seg_k = tl.cumsum(tl.load(reset_ptr + seq * T + tk, mask=tk < T, other=0), 0)
-        else:
-            seg_k = tl.zeros([CK], dtype=tl.int32)
-        k_rows = (bh * N + n) * C + keys
-        upto = ((tk < T) & (keys < a * BC + BC))[:, None]                    # the keys the strip meets
+        end = a * BC + BC
         s_kk = tl.zeros([BC, CK], dtype=tl.float32)
         s_qk = tl.zeros([BC, CK], dtype=tl.float32)
+        if CK2 > 0:
+            s_kk2 = tl.zeros([BC, CK2], dtype=tl.float32)
+            s_qk2 = tl.zeros([BC, CK2], dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             mk = (kk < K)[None, :]
-            gam = tl.load(r_ptr + k_rows[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
-            kt = tl.load(k_ptr + tokk[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
             g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
-            k_an = tl.where(upto, kt * tl.exp(tl.where(upto, g_na[None, :] - gam, 0.0)), 0.0)
             gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
             e = tl.exp(gam_a - g_na[None, :])
             q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
+            k_an = _anchored_keys(k_ptr, r_ptr, kk, mk, g_na, n, bh, seq, h, T, H, K, N, end, C, 0, CK)
             s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
             s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
+            if CK2 > 0:
+                k_an2 = _anchored_keys(k_ptr, r_ptr, kk, mk, g_na, n, bh, seq, h, T, H, K, N, end, C, CK, CK2)
+                s_kk2 = _dot(k_a * e, tl.trans(k_an2), s_kk2, PAIR, DT, EMULATE)
+                s_qk2 = _dot(q_a * e, tl.trans(k_an2), s_qk2, PAIR, DT, EMULATE)
             if QKD:
                 g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
                 _qkd_from_gamma(q_a, k_a, gam_a, g_end, (seg_a == 0)[:, None], (seg_a == n_seg)[:, None], scale,
                                 a_rows, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
                 if a == NB - 1:
                     tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
-        same = seg_a[:, None] == seg_k[None, :]
-        a_qk = tl.where(same & (keys[None, :] <= ra[:, None]), s_qk * scale, 0.0)
-        tl.store(A_ptr + a_rows[:, None] * C + keys[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
-        tl.store(M_ptr + a_rows[:, None] * C + keys[None, :],
-                 tl.where(same & (keys[None, :] < ra[:, None]), s_kk * beta_a[:, None], 0.0))
-        if CK < C:   # the output pass reads Aqk whole
+        _store_strip(A_ptr, M_ptr, reset_ptr, s_qk, s_kk, a_rows, ra, seg_a, rst, beta_a, scale, n, seq, T, C, 0, CK,
+                     HAS_RESET, EMULATE)
+        if CK2 > 0:
+            _store_strip(A_ptr, M_ptr, reset_ptr, s_qk2, s_kk2, a_rows, ra, seg_a, rst, beta_a, scale, n, seq, T, C,
+                         CK, CK2, HAS_RESET, EMULATE)
+        if CK + CK2 < C:   # the output pass reads Aqk whole
             cols = tl.arange(0, C)
             tl.store(A_ptr + a_rows[:, None] * C + cols[None, :],
-                     tl.zeros([BC, C], dtype=tl.float32).to(A_ptr.dtype.element_ty), mask=cols[None, :] >= CK)
+                     tl.zeros([BC, C], dtype=tl.float32).to(A_ptr.dtype.element_ty), mask=cols[None, :] >= CK + CK2)
 
     @triton.jit
     def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, T, H, K, N,
                         scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
                         PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                        QKD: tl.constexpr = False, TRIM: tl.constexpr = False):
+                        QKD: tl.constexpr = False, TRIM: tl.constexpr = 0):
         # program (chunk n × query block a, row bh), `V3["strips"] = "v6"` (16-bit inputs): block a's rows of Aqk
         # and β·L against the keys of the chunk, one [BC, keys] dot per key piece (its diagonal block then
         # inverted), the anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r) instead of scans:
         # queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in block a). A
         # difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands' 16-bit rounding.
         # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
-        # only w and u). TRIM (C > 2·BC): the strips of blocks 0 and 1 meet only the first BC and 2·BC keys, the others
-        # all C; else every strip meets all C, masked past its end.
+        # only w and u). TRIM (C > 2·BC) 1: the strips of blocks 0 and 1 meet only the first BC and 2·BC keys, the
+        # others all C; 2: also block 2 (of 4) its 3·BC keys, as tiles of 2·BC and BC; 0: every strip meets all C,
+        # masked past its end.
         NB: tl.constexpr = C // BC
         n = tl.program_id(0) // NB
         a = tl.program_id(0) % NB
@@ -554,22 +585,33 @@ if triton is not None:
         a_rows = (bh * N + n) * C + ra
         seg_a = tl.sum(tl.where(rows[None, :] <= ra[:, None], rst[None, :], 0), 1)
         beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
-        # one body per key count (CK a constexpr: its tiles' width), chosen per program by its block a
-        if TRIM and C > 2 * BC:
+        # one body per key tiling (CK, CK2 constexprs: its tiles' widths), chosen per program by its block a
+        if TRIM > 0 and C > 2 * BC:
             if a == 0:
-                _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq, h,
-                             T, H, K, N, scale, seg_a, n_seg, beta_a, C, BC, BC, BK, HAS_RESET, PAIR, DT, EMULATE,
-                             QKD)
+                _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq,
+                             h, T, H, K, N, scale, seg_a, rst, n_seg, beta_a, C, BC, 0, BC, BK, HAS_RESET,
+                             PAIR, DT, EMULATE, QKD)
             elif a == 1:
-                _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq, h,
-                             T, H, K, N, scale, seg_a, n_seg, beta_a, C, 2 * BC, BC, BK, HAS_RESET, PAIR, DT, EMULATE,
-                             QKD)
+                _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq,
+                             h, T, H, K, N, scale, seg_a, rst, n_seg, beta_a, C, 2 * BC, 0, BC, BK, HAS_RESET,
+                             PAIR, DT, EMULATE, QKD)
+            elif TRIM == 2 and C == 4 * BC:
+                if a == 2:
+                    _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq,
+                                 h, T, H, K, N, scale, seg_a, rst, n_seg, beta_a, C, 2 * BC, BC, BC, BK, HAS_RESET,
+                                 PAIR, DT, EMULATE, QKD)
+                else:
+                    _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq,
+                                 h, T, H, K, N, scale, seg_a, rst, n_seg, beta_a, C, C, 0, BC, BK, HAS_RESET,
+                                 PAIR, DT, EMULATE, QKD)
             else:
-                _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq, h,
-                             T, H, K, N, scale, seg_a, n_seg, beta_a, C, C, BC, BK, HAS_RESET, PAIR, DT, EMULATE, QKD)
+                _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq,
+                             h, T, H, K, N, scale, seg_a, rst, n_seg, beta_a, C, C, 0, BC, BK, HAS_RESET,
+                             PAIR, DT, EMULATE, QKD)
         else:
-            _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq, h, T, H,
-                         K, N, scale, seg_a, n_seg, beta_a, C, C, BC, BK, HAS_RESET, PAIR, DT, EMULATE, QKD)
+            _strip6_keys(q_ptr, k_ptr, r_ptr, reset_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, n, a, bh, seq,
+                         h, T, H, K, N, scale, seg_a, rst, n_seg, beta_a, C, C, 0, BC, BK, HAS_RESET,
+                         PAIR, DT, EMULATE, QKD)
         tl.debug_barrier()   # L_aa back as one [BC, BC] block
         nil = tl.load(M_ptr + a_rows[:, None] * C + ra[None, :])
         zb = tl.zeros([BC, BC], dtype=tl.float32)
@@ -687,13 +729,16 @@ strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": b
 "u16" with "scratch" "16": True, u and U_n bf16 (the state pass updates S with its fp32 U_n); "U", U_n alone
 (its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands);
 "strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only w and u; "strip_trim" (with "v6"): the
-strips of the first two query blocks meet only the keys up to their end (tiles of 16 and 32 keys, not C);
+strips of the first two query blocks meet only the keys up to their end (tiles of 16 and 32 keys, not C; 48: the
+third too, as tiles of 32 and 16);
 "output_bk" the output kernel's key piece for 16-bit inputs (None: `output_config`'s; the whole key dim in one piece
 runs one stage: the loop over pieces then has one trip).
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
 _V3_KEYS = frozenset(V3)
+STRIP_TRIM = {False: 0, True: 1, 48: 2}
+"""`V3["strip_trim"]` as `_strips6_kernel`'s TRIM."""
 
 
 def _check_v3() -> None:
@@ -703,7 +748,7 @@ def _check_v3() -> None:
     if unknown:
         raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
     allowed = {"strips": ("v4", "v6"), "u16": (True, False, "U"), "a16": (True, False),
-               "strips_qkd": (True, False), "strip_trim": (True, False), "scratch": ("16", "fp32"),
+               "strips_qkd": (True, False), "strip_trim": (True, False, 48), "scratch": ("16", "fp32"),
                "states": ("16", "fp32"), "output_bk": (None, 16, 32, 64, 128, 256)}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
     if bad:
@@ -760,7 +805,7 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
         _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
         _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
                               float(scale), BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
-                              QKD=V3["strips_qkd"], TRIM=V3["strip_trim"], **blocks)
+                              QKD=V3["strips_qkd"], TRIM=STRIP_TRIM[V3["strip_trim"]], **blocks)
     else:
         _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N, float(scale),
                               BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),

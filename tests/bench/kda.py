@@ -298,7 +298,9 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "bk32": dict(block_k6=32),
             # the strips of query blocks 0 and 1 over only the keys up to their end (16 and 32, not 64)
             "strip-trim": dict(strip_trim=True), "strip-trim-4w": dict(strip_trim=True, strip_warps=4),
-            "strip-trim-bk32": dict(strip_trim=True, block_k6=32)}
+            "strip-trim-bk32": dict(strip_trim=True, block_k6=32),
+            # and query block 2's strip over its 48 keys as tiles of 32 and 16
+            "strip-trim48": dict(strip_trim=48)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
