@@ -279,6 +279,9 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "state-x2n-64c-8w-2s": dict(state_dots="x2n", state_block=64, state_warps=8, state_stages=2),
             # 8 columns a program (x2n's dots are then 16 wide): twice the programs at few sequences x heads
             "state-x2n-8c-8w-3s": dict(state_dots="x2n", state_block=8, state_warps=8, state_stages=3),
+            # 32 columns: one program an SM at 32 heads
+            "state-x2n-32c-8w-3s": dict(state_dots="x2n", state_block=32, state_warps=8, state_stages=3),
+            "state-x2n-32c-4w-2s": dict(state_dots="x2n", state_block=32, state_warps=4, state_stages=2),
             # the output kernel's whole key dim in one piece (one stage): its wgmma not serialized (sm_90 offline)
             "output-bk128": dict(output_bk=128),
             # the intra-chunk kernels: v4's strips (one key block at a time) or v6's (the default), and the solve
@@ -295,12 +298,7 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
             # the v6 strips' key pieces (16 by default since KDA round 6)
-            "bk32": dict(block_k6=32),
-            # the strips of query blocks 0 and 1 over only the keys up to their end (16 and 32, not 64)
-            "strip-trim": dict(strip_trim=True), "strip-trim-4w": dict(strip_trim=True, strip_warps=4),
-            "strip-trim-bk32": dict(strip_trim=True, block_k6=32),
-            # and query block 2's strip over its 48 keys as tiles of 32 and 16
-            "strip-trim48": dict(strip_trim=48)}
+            "bk32": dict(block_k6=32)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:

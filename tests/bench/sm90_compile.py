@@ -226,8 +226,7 @@ def _kda_intra(name, sc, inverse):
             kt._strips6_kernel, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
                                      qd_ptr=sc, kd_ptr=sc, d_ptr=F32),
             {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
-            dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, TRIM=kt.STRIP_TRIM[kt.V3["strip_trim"]], **blocks),
-            num_warps=warps, num_stages=c["num_stages"])
+            dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, **blocks), num_warps=warps, num_stages=c["num_stages"])
     else:
         bk, warps = (kt.V3["block_k4"], kt.V3["strip_warps"]) if name == "bf16" else (16, 4)
         yield f"kda _strips4_kernel {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
