@@ -145,8 +145,8 @@ def test_forward_options(monkeypatch):
     """The forward's options (kda_triton.V3) at K = V = 128 in bf16, a document start inside a chunk: v4's strips
     with other w pieces and fp32 scratch and states, or with the state pass's "x2" dots in 16-column blocks; its
     "x2n" dots (the two bf16 parts side by side in one dot) in 16- and 32-column blocks (the default at these few
-    heads: 8 columns; 32 at 32 heads), "x2" in 64 (the default at 96 heads) with the output kernel's whole key dim in one piece; the
-    state pass's bf16 dots; the solve's bf16 dots; u as well as U_n in bf16 with q̃, k̃ and d from the solve; fp32
+    heads: 8 columns; 32 at 32 heads), "x2" in 64 (the default at 96 heads) with the output kernel's whole key dim
+    in one piece; the state pass's bf16 dots; the solve's bf16 dots; u as well as U_n in bf16 with q̃, k̃ and d from the solve; fp32
     u, U_n and Aqk; each within the bf16 tolerance of the float64 recurrence;
     the default bf16 scratch really rounded (it differs from the fp32 scratch's result). Two gate kinds as two
     heads."""
