@@ -148,8 +148,7 @@ def test_forward_options(monkeypatch):
     heads: 8 columns; 32 at 32 heads), "x2" in 64 (the default at 96 heads) with the output kernel's whole key dim
     in one piece; the state pass's bf16 dots; the solve's bf16 dots; u as well as U_n in bf16 with q̃, k̃ and d
     from the solve; fp32 u, U_n and Aqk; each within the bf16 tolerance of the float64 recurrence; the default bf16
-    scratch really rounded (it differs from the fp32 scratch's result). Two gate kinds as two
-    heads."""
+    scratch really rounded (it differs from the fp32 scratch's result). Two gate kinds as two heads."""
     T = 80
     xs = [_inputs(1, T, 1, 128, 128, gate, torch.bfloat16) for gate in ("bounded", "mixed")]
     x = {n: torch.cat([t[n] for t in xs], dim=2 if n != "initial_state" else 1) for n in xs[0]}

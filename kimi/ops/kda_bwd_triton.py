@@ -413,9 +413,8 @@ bits: exact, but more registers), "own" always from the forward's scratch (`save
 "fp32" or "16" (bf16, with "own"); "dots" the operands of the own kernel's two dots on the chain (k̃ dS_{n+1}, wᵀ dU_n)
 with bf16 scratch: None (`PRECISION["state"]`), "x2" (dS and dU as two bf16 parts, two dots), "x2n" (the same
 parts side by side in one dot, as the forward's `V3["state_dots"]`; two stages unless "num_stages" says otherwise:
-at one ptxas serializes its wgmma) or "auto" ("x2n" where the block is at most 16 columns, few sequences × heads, and K ≤ 128: at 65,536 × 8
-the backward took 7.9 ms against 10.3; x2n at 8,192 × 96's 64 columns 10.3 against 10.1; docs/performance.md, KDA
-round 8).
+at one ptxas serializes its wgmma) or "auto" ("x2n" where the block is at most 16 columns, few sequences × heads,
+and K ≤ 128; TF32 at wider blocks, where x2n measured slower: docs/performance.md, KDA round 8).
 block_v "auto": by the sequences × heads (`reverse_config`)."""
 
 

@@ -798,7 +798,7 @@ def u_out_buffer(x: dict[str, Tensor]) -> Tensor | None:
 def _auto_state(R: int, V: int, device: torch.device) -> tuple[int, dict, str]:
     """The state pass's launch for 16-bit inputs by the shape (`V3["state_block"] = "auto"`): (state columns a
     program, num_warps and num_stages, dots). With a program of 64 columns for every SM: 64 columns, 4 warps, two
-    stages, "x2" dots (two programs an SM, all in one wave; "x2n" at 64 columns and 8 warps took 9 % longer). With
+    stages, "x2" dots (two programs an SM, all in one wave; "x2n" at 64 columns measured slower). With
     fewer rows (B·H) the pass is bound by each program's chain of dependent dots, so more and shorter chains win,
     with "x2n" dots (one wgmma group a product on the chain): the narrowest of 8, 16 and 32 columns (8 warps, three
     stages) that leaves at most one program an SM, else 16 columns at 4 warps and two stages (docs/performance.md,

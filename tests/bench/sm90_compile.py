@@ -385,7 +385,8 @@ def kda_bwd_saved():
                f"{'bf16' if qd16 else 'tf32'}, dS {dh[1:]}"), report(
             kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=warps,
             num_stages=stages)
-    for bv, warps, stages in ((16, 4, 2), (16, 4, 1), (16, 8, 2), (64, 4, 2), (8, 4, 2), (32, 8, 2), (32, 4, 2)):   # "x2n"
+    # `REVERSE["dots"]` "x2n" launches
+    for bv, warps, stages in ((16, 4, 2), (16, 4, 1), (16, 8, 2), (64, 4, 2), (8, 4, 2), (32, 8, 2), (32, 4, 2)):
         ptrs = dict(qd_ptr=BF, kd_ptr=BF, w_ptr=BF, A_ptr=A16, d_ptr=F32, do_ptr=BF, dsN_ptr=F32, dh_ptr=BF,
                     dU_ptr=F32, dh0_ptr=F32)
         consts = dict(C=C, BK=KD, BV=bv, HAS_DSN=True, HAS_DH0=True, QD16=False, STATE=prec["STATE"], CHAIN="x2n",
