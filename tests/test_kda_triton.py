@@ -175,6 +175,37 @@ def test_forward_options(monkeypatch):
             assert not torch.equal(o, o_16)
 
 
+def test_output_in_state_pass(monkeypatch):
+    """O_n formed in the state pass (kda_triton.V3["out"] = "state": no `_output_kernel`, S_n and U_n stored only
+    with residuals) at K = V = 128 in bf16, a document start inside a chunk: its dots on S_n, U_n as two bf16 parts
+    ("x2n", also `_auto_state`'s 8-column launch at these two heads, where a bf16 dot would be too narrow) or rounded to bf16 ("16"), alone and
+    keeping the backward's scratch, within the bf16 tolerance of the float64 recurrence; the kept S_n, U_n and the
+    final state are the output kernel's path's exactly (the same chain of S), and "16" takes the same products as
+    `_output_kernel`."""
+    T = 80
+    x = _inputs(1, T, 2, 128, 128, "mixed", torch.bfloat16)
+    reset = resets(1, T, [[23]])
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset, scale=128 ** -0.5)
+    launch = dict(state_block=16, state_dots="x2n", state_warps=8, state_stages=3)
+    with monkeypatch.context() as mp:
+        for name, value in dict(out="kernel", **launch).items():
+            mp.setitem(kt.V3, name, value)
+        o_k, S_k, scratch_k, states_k = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, residuals=True)
+    for options in (dict(out_dots="16", **launch), dict(out_dots="x2n", **launch),
+                    dict(state_block="auto")):
+        with monkeypatch.context() as mp:
+            for name, value in {"out": "state", **options}.items():
+                mp.setitem(kt.V3, name, value)
+            o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
+            o_r, S_r, scratch, states = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, residuals=True)
+        assert rel_err(o.cpu(), o_ref) < BF16_TOL and rel_err(S.cpu(), S_ref) < BF16_TOL, options
+        assert torch.equal(o, o_r) and torch.equal(S, S_r), options
+        if options.get("state_block") == 16:
+            assert torch.equal(S, S_k) and torch.equal(states, states_k) and torch.equal(scratch["u"], scratch_k["u"])
+        if options.get("out_dots") == "16":
+            assert rel_err(o.cpu(), o_k.cpu()) < 2e-3
+
+
 @settings(max_examples=10, deadline=None)
 @given(data=st.data(), T=st.integers(1, 140), H=st.integers(1, 2), K=st.sampled_from([16, 24, 32]),
        V=st.sampled_from([16, 20, 32]), chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES),
@@ -315,9 +346,13 @@ def test_gpu_k3_shape_matches_chunk(dtype, documents):
 
 
 @pytest.mark.gpu
-def test_gpu_matches_float64_recurrence():
-    """bf16 at K = V = 128 over 16 chunks and 8 heads against the float64 recurrence, with documents."""
-    x, _ = _k3_inputs(torch.bfloat16, T=1024, H=8)
+@pytest.mark.parametrize("H", [8, 32])
+@pytest.mark.parametrize("out", ["kernel", "state"])
+def test_gpu_matches_float64_recurrence(H, out, monkeypatch):
+    """bf16 at K = V = 128 over 16 chunks against the float64 recurrence, with documents, at 8 and 32 heads (the
+    state pass's 8- and 32-column launches), O_n from `_output_kernel` or from the state pass (V3["out"])."""
+    monkeypatch.setitem(kt.V3, "out", out)
+    x, _ = _k3_inputs(torch.bfloat16, T=1024, H=H)
     reset = resets(1, 1024, [[100, 640, 641]]).cuda()
     o_ref, S_ref = _call(delta_rule.kda_recurrent, {n: t.double() for n, t in x.items()}, reset,
                          scale=128 ** -0.5)

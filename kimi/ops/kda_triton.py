@@ -35,7 +35,8 @@ b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the whole blocks between), s
 exactly the gates it spans (gates are ≤ 0: these sums do not cancel), and also writes q̃, k̃ and d.
 The sequential pass, `_state_kernel` (one program per sequence × head and block of state columns), carries its
 block of S through the chunks in fp32 registers, storing S_n and U_n, and `_output_kernel`, one program per (chunk,
-sequence × head, column block), forms O_n = q̃_n S_n + Aqk_n U_n from them in parallel.
+sequence × head, column block), forms O_n = q̃_n S_n + Aqk_n U_n from them in parallel. Or the pass forms O_n
+itself from its registers (`V3["out"]`), beside the chain of S, and stores S_n and U_n only for a backward.
 For 16-bit inputs w, q̃, k̃, S_n, U_n and Aqk are bf16 between the kernels (`V3`; u stays fp32, and the state pass
 updates S with its fp32 U_n), and q̃_n S_n and Aqk_n U_n then take bf16 operands (the same products as TF32 ones of
 bf16 values); "v6" forms q̃, k̃ and d in the strips, leaving the solve w and u; with `V3["state_dots"] = "x2"`
@@ -160,11 +161,14 @@ if triton is not None:
     @triton.jit
     def _state_kernel(w_ptr, u_ptr, kd_ptr, d_ptr, s0_ptr, sN_ptr, h_ptr, U_ptr, K, V, N, C: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, S0: tl.constexpr, HAS_U: tl.constexpr, STORE: tl.constexpr,
-                      STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+                      STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr, qd_ptr=None, A_ptr=None,
+                      o_ptr=None, T=1, H=1, OUT: tl.constexpr = ""):
         # program (row bh, block of BV state columns); the state's K rows and BV columns stay in fp32 registers
         # through all chunks. S0: 0 zeros, 1 loaded from s0 [B·H, K, V], 2 the identity (the transition, V = K).
         # HAS_U False: u = 0. STORE: the state entering every chunk into h [B·H, N, K, V] (in its dtype), and
         # U_n into U (u itself or its own buffer, in its dtype: what `_output_kernel` and the backward read).
+        # OUT (the operands of its two dots, `_dot`'s P; "" none): also O_n = q̃_n S_n + Aqk_n U_n into o
+        # [B, T, H, V] from the fp32 S_n and U_n in registers, `_output_kernel`'s work off the chain of S.
         bh = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, C)
         kk = tl.arange(0, BK)
@@ -190,6 +194,13 @@ if triton is not None:
             if STORE:   # U_n in U's dtype; the update below takes the fp32 U
                 tl.store(U_ptr + rws[:, None] * V + vv[None, :], _to16(U, U_ptr.dtype.element_ty, EMULATE),
                          mask=mv[None, :])
+            if OUT != "":
+                A = tl.load(A_ptr + rws[:, None] * C + c[None, :])
+                qd = tl.load(qd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
+                o = _dot(qd, S, _dot(A, U, tl.zeros([C, BV], dtype=tl.float32), OUT, DT, EMULATE), OUT, DT, EMULATE)
+                t = n * C + c
+                tl.store(o_ptr + (((bh // H) * T + t) * H + bh % H)[:, None] * V + vv[None, :],
+                         _to16(o, o_ptr.dtype.element_ty, EMULATE), mask=(t < T)[:, None] & mv[None, :])
             kd = tl.load(kd_ptr + rws[:, None] * K + kk[None, :], mask=mk[None, :], other=0.0)
             dn = tl.load(d_ptr + (bh * N + n) * K + kk, mask=mk, other=0.0)
             S = dn[:, None] * S + _dot(tl.trans(kd), U, tl.zeros([BK, BV], dtype=tl.float32), STATE, DT, EMULATE)
@@ -626,7 +637,7 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_kw": 32, "num_warps": 4, "stages": 2,
       "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 2, "solve_warps": None,
       "block_k4": 32, "block_k6": 16, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True,
-      "output_bk": None}
+      "output_bk": None, "out": "kernel", "out_dots": "16"}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
@@ -646,7 +657,10 @@ strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": b
 (its own buffer; u stays fp32); "a16": Aqk bf16 (with a bf16 U_n the output's Aqk_n U_n takes bf16 operands);
 "strips_qkd" (with "v6"): the strips form q̃, k̃ and d, the solve only w and u;
 "output_bk" the output kernel's key piece for 16-bit inputs (None: `output_config`'s; the whole key dim in one piece
-runs one stage: the loop over pieces then has one trip).
+runs one stage: the loop over pieces then has one trip);
+"out" where O_n is formed: "kernel" (`_output_kernel`, from the stored S_n and U_n), "state" (in the state pass,
+which then stores S_n and U_n only for a backward) or "auto" (`fuse_output`), and "out_dots" the operands of its
+dots there (`out_dots`).
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
@@ -661,7 +675,8 @@ def _check_v3() -> None:
         raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
     allowed = {"strips": ("v4", "v6"), "u16": (True, False, "U"), "a16": (True, False),
                "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32"),
-               "output_bk": (None, 16, 32, 64, 128, 256)}
+               "output_bk": (None, 16, 32, 64, 128, 256), "out": ("kernel", "state", "auto"),
+               "out_dots": ("16", "x2n")}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
     if bad:
         raise ValueError(f"kda_triton.V3: {bad} not among {({n: allowed[n] for n in bad})}")
@@ -738,25 +753,53 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
 def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
                 s0: Tensor | None, identity: bool, with_u: bool, states: Tensor | None = None,
                 block_v: int | str | None = None, launch: dict | None = None, dots: str | None = None,
-                U: Tensor | None = None) -> Tensor:
+                U: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V].
     `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n into `U` (of
     u's shape, `u_out_buffer`) or else over x["u"].
     block_v: the state columns of a program for 16-bit inputs (None: `state_config`'s own; "auto": `_auto_state`
     picks them, the launch and the dots by the shape); launch: num_warps and num_stages over `state_config`'s; dots:
     the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2", "x2n" and "16" need bf16 w
-    and k̃, `_dot`)."""
+    and k̃, `_dot`). out [B, T, H, V]: also O_n = q̃_n S_n + Aqk_n U_n into it from the pass's registers (the work of
+    `_output_pass`, which is then not needed), its dots' operands `out_dots`."""
     R, N, C = x["w"].shape[:3]
     scratch = x["w"].dtype if x["w"].dtype == x["kd"].dtype else torch.float32
     cfg, prec = state_launch(R, K, V, dtype, scratch, x["w"].device, block_v=block_v, launch=launch, dots=dots)
     sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
     s0_ptr = s0.contiguous() if s0 is not None else sN
     mode = 2 if identity else (1 if s0 is not None else 0)
+    fused = {}
+    if out is not None:
+        fused = dict(qd_ptr=x["qd"], A_ptr=x["A"], o_ptr=out, T=T, H=H, OUT=out_dots(x, dtype, cfg["BV"], prec))
     _state_kernel[(R, triton.cdiv(V, cfg["BV"]))](
         x["w"], x["u"], x["kd"], x["d"], s0_ptr, sN, states if states is not None else sN,
         U if U is not None else x["u"], K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u,
-        STORE=states is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **prec)
+        STORE=states is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fused, **prec)
     return sN
+
+
+def out_dots(x: dict[str, Tensor], dtype: torch.dtype, block_v: int, prec: dict) -> str:
+    """The operands of O_n's two dots in the state pass (`_state_kernel`'s OUT) for inputs of `dtype`, its dots
+    `prec` (`_dots`) and `block_v` state columns: with bf16 q̃ and Aqk (16-bit inputs), `V3["out_dots"]` ("16": S_n
+    and U_n rounded to bf16, the products `_output_kernel` takes from their bf16 copies; "x2n": each as two bf16
+    parts, 16 bits of mantissa; "x2n" below 16 columns, where a bf16 dot would be narrower than Triton's 16); else
+    the pass's own."""
+    if dtype in _DT16 and x["qd"].dtype == x["A"].dtype == torch.bfloat16:
+        return "x2n" if block_v < 16 else V3["out_dots"]
+    return prec["STATE"]
+
+
+def fuse_output(R: int, V: int, dtype: torch.dtype, scratch: torch.dtype, device: torch.device) -> bool:
+    """Whether the forward forms O_n in its state pass (`_state_kernel`'s OUT) rather than in `_output_kernel`:
+    `V3["out"]` "state" always, "kernel" never, "auto" for 16-bit inputs with bf16 scratch where `_auto_state`
+    leaves at most one program an SM (few sequences × heads: the pass is a chain of dependent dots with the SM
+    otherwise idle, and O_n's dots are off that chain)."""
+    if V3["out"] != "auto":
+        return V3["out"] == "state"
+    if dtype not in _DT16 or scratch != torch.bfloat16 or V3["state_block"] != "auto":
+        return False
+    sms = sm_count(device) if device.type == "cuda" else 132
+    return R * triton.cdiv(V, _auto_state(R, V, device)[0]) <= sms
 
 
 def state_launch(R: int, K: int, V: int, dtype: torch.dtype, scratch: torch.dtype, device: torch.device, *,
@@ -836,14 +879,18 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     x = kda_intra_triton(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, scratch=scratch,
                          inverse=residuals)
     R, N, C = x["w"].shape[:3]
-    states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32,
-                         device=q.device)
-    U = u_out_buffer(x)
+    fuse = fuse_output(R, V, q.dtype, scratch, q.device)
+    states, U = None, None
+    if residuals or not fuse:   # S_n and U_n stored: for the backward, or for `_output_kernel`
+        states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32,
+                             device=q.device)
+        U = u_out_buffer(x)
     sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, states=states,
-                     U=U, **forward_state_options(q.dtype, scratch))
+                     U=U, out=o if fuse else None, **forward_state_options(q.dtype, scratch))
     if U is not None:   # U_n replaces u from here on
         x["u"] = U
-    _output_pass(x, states, o, q.dtype)
+    if not fuse:
+        _output_pass(x, states, o, q.dtype)
     return (o, sN, x, states) if residuals else (o, sN)
 
 

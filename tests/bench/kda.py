@@ -4,6 +4,7 @@
     PYTHONPATH=. python tests/bench/kda.py --shapes 8192x96 32768x32 65536x8 --chunk-triton
     PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --variants defaults v4
     PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-variants --variants defaults v6-4w --rounds 5
+    PYTHONPATH=. python tests/bench/kda.py --shapes 32768x32 --no-decode --fla-safe-only --v3 out=state
 
 fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
 by default.
@@ -14,8 +15,8 @@ returned. Rows: fla's `chunk_kda` with its defaults and with `safe_gate=True, lo
 the project's `Backend(kda="triton")` (the op `kimi::kda_triton`: forward, its three kernels timed apart, and
 forward+backward), the forward with each of `VARIANTS`' options of kda_triton.V3 (`--variants` picking some;
 `--only-variants`: only those; `--rounds`: also their forwards in interleaved rounds, the fair comparison on a GPU
-whose timings drift) and, with `--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile
-(minutes of compile).
+whose timings drift; `--v3`: options over the defaults for every row of ours) and, with `--chunk-triton`,
+`Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
 
 Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's `fused_recurrent_kda` (state in,
 final state out) against the project's in-place step (`kda_step_inplace_triton`, q and k already normalized) and
@@ -298,7 +299,11 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
             # the v6 strips' key pieces (16 by default since KDA round 6)
-            "bk32": dict(block_k6=32)}
+            "bk32": dict(block_k6=32),
+            # O_n formed in the state pass (no output kernel; S_n, U_n not stored by a forward alone): its dots'
+            # operands S_n, U_n as two bf16 parts or rounded to bf16; "auto": where the pass is one program an SM
+            "out-state": dict(out="state", out_dots="x2n"), "out-state-16": dict(out="state", out_dots="16"),
+            "out-auto": dict(out="auto", out_dots="x2n")}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
@@ -426,14 +431,23 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=None, help=f"of {list(VARIANTS)} (default: all)")
     ap.add_argument("--rounds", type=int, default=0,
                     help="also time the named --variants' forwards in this many interleaved rounds (medians)")
+    ap.add_argument("--v3", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="kda_triton.V3 options over the defaults for every row of ours (Python literals: "
+                         "out=state out_dots=x2n)")
     a = ap.parse_args()
+    try:
+        from kimi.ops import kda_triton as kt
+        kt.V3.update(parse_v3(a.v3))
+    except ValueError as e:
+        ap.error(f"--v3 {e}")
     unknown = [v for v in a.variants or () if v not in VARIANTS]
     if unknown:
         ap.error(f"--variants {unknown}: not among {list(VARIANTS)}")
     if a.rounds and not a.variants:
         ap.error("--rounds times the named --variants: name at least one")
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"
+          f"{', V3 ' + ' '.join(a.v3) if a.v3 else ''}", flush=True)
     chunk_kda, fused_recurrent_kda = fla_module()
     if a.no_fla_chunk:
         chunk_kda = None

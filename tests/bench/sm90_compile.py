@@ -17,6 +17,7 @@ lose time; they are no substitute for timing on the GPU.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -43,10 +44,13 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def report(fn, ptrs: dict, scalars: dict, consts: dict, **opts) -> dict:
     """Compile `fn` for sm_90 with pointer dtypes `ptrs`, scalar values `scalars` (specialized by value) and
-    constexprs `consts`; returns the resource counts."""
+    constexprs `consts` (arguments named in none of them at their defaults); returns the resource counts."""
     sig, cx, attrs = {}, {}, {}
+    defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items() if p.default is not p.empty}
     for i, name in enumerate(fn.arg_names):
-        if name in consts:
+        if name not in consts and name not in ptrs and name not in scalars and name in defaults:
+            sig[name], cx[name] = "constexpr", defaults[name]   # an argument left at its default
+        elif name in consts:
             sig[name], cx[name] = "constexpr", consts[name]
         elif name in ptrs:
             sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
@@ -364,6 +368,17 @@ def kda_fwd_v4():
                                    U_ptr=BF),
             dict(K=KD, V=KD, N=N), dict(C=C, BK=KD, BV=bv, S0=1, HAS_U=True, STORE=True, STATE=dots, **common),
             num_warps=warps, num_stages=stages)
+    # O_n formed in the pass (`V3["out"]`): the forward alone (nothing stored) and with S_n, U_n kept for a backward
+    for dots, bv, warps, stages, out, store in (("x2n", 32, 8, 3, "16", False), ("x2n", 32, 8, 3, "x2n", False),
+                                                ("x2n", 32, 8, 2, "16", False), ("x2n", 32, 8, 3, "16", True),
+                                                ("x2n", 8, 8, 3, "x2n", False), ("x2n", 16, 8, 3, "16", False),
+                                                ("x2", 64, 4, 2, "16", False)):
+        yield (f"kda state pass bf16 forming O_n ({out} dots){', S_n U_n stored' if store else ''}, dots {dots}, "
+               f"{bv} columns, {warps} warps, {stages} stages"), report(
+            kt._state_kernel, dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=BF,
+                                   U_ptr=BF, qd_ptr=BF, A_ptr=BF, o_ptr=BF),
+            dict(K=KD, V=KD, N=N, T=T, H=H), dict(C=C, BK=KD, BV=bv, S0=1, HAS_U=True, STORE=store, STATE=dots,
+                                                 OUT=out, **common), num_warps=warps, num_stages=stages)
 
 
 def kda_bwd_saved():
