@@ -303,7 +303,12 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             # O_n formed in the state pass (no output kernel; S_n, U_n not stored by a forward alone): its dots'
             # operands S_n, U_n as two bf16 parts or rounded to bf16; "auto": where the pass is one program an SM
             "out-state": dict(out="state", out_dots="x2n"), "out-state-16": dict(out="state", out_dots="16"),
-            "out-auto": dict(out="auto", out_dots="x2n")}
+            "out-auto": dict(out="auto", out_dots="x2n"),
+            # the forward in pieces of chunks: a piece's state pass beside the next one's intra-chunk kernels
+            "pieces-2": dict(pieces=2), "pieces-4": dict(pieces=4), "pieces-8": dict(pieces=8),
+            "pieces-4-out": dict(pieces=4, out="state", out_dots="x2n"),
+            "pieces-8-out": dict(pieces=8, out="state", out_dots="x2n"),
+            "auto": dict(pieces="auto", out="auto", out_dots="x2n")}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
