@@ -178,8 +178,8 @@ def test_forward_options(monkeypatch):
 def test_output_in_state_pass(monkeypatch):
     """O_n formed in the state pass (kda_triton.V3["out"] = "state": no `_output_kernel`, S_n and U_n stored only
     with residuals) at K = V = 128 in bf16, a document start inside a chunk: its dots on S_n, U_n as two bf16 parts
-    ("x2n", also `_auto_state`'s 8-column launch at these two heads, where a bf16 dot would be too narrow) or rounded to bf16 ("16"), alone and
-    keeping the backward's scratch, within the bf16 tolerance of the float64 recurrence; the kept S_n, U_n and the
+    ("x2n", also `_auto_state`'s 8-column launch at these two heads, where a bf16 dot would be too narrow) or
+    rounded to bf16 ("16"), alone and keeping the backward's scratch, within the bf16 tolerance of the float64 recurrence; the kept S_n, U_n and the
     final state are the output kernel's path's exactly (the same chain of S), and "16" takes the same products as
     `_output_kernel`."""
     T = 80

@@ -164,7 +164,8 @@ if triton is not None:
                       STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr, qd_ptr=None, A_ptr=None,
                       o_ptr=None, T=1, H=1, OUT: tl.constexpr = ""):
         # program (row bh, block of BV state columns); the state's K rows and BV columns stay in fp32 registers
-        # through chunks N0..N1−1 (of N), from S0 to the state leaving chunk N1 − 1 in sN. S0: 0 zeros, 1 loaded from s0 [B·H, K, V], 2 the identity (the transition, V = K).
+        # through chunks N0..N1−1 (of N), from S0 to the state leaving chunk N1 − 1 in sN. S0: 0 zeros, 1 loaded
+        # from s0 [B·H, K, V], 2 the identity (the transition, V = K).
         # HAS_U False: u = 0. STORE: the state entering every chunk into h [B·H, N, K, V] (in its dtype), and
         # U_n into U (u itself or its own buffer, in its dtype: what `_output_kernel` and the backward read).
         # OUT (the operands of its two dots, `_dot`'s P; "" none): also O_n = q̃_n S_n + Aqk_n U_n into o
@@ -493,8 +494,9 @@ if triton is not None:
         # program (i · NB + a, row bh) for chunk n = N0 + i and query block a, `V3["strips"] = "v6"` (16-bit
         # inputs): block a's rows of Aqk and β·L against every key of the chunk, one [BC, C] dot per key piece (its
         # diagonal block then inverted), the anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r)
-        # instead of scans: queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in block a). A
-        # difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands' 16-bit rounding.
+        # instead of scans: queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in
+        # block a). A difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands'
+        # 16-bit rounding.
         # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
         # only w and u).
         NB: tl.constexpr = C // BC
