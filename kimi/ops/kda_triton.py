@@ -254,13 +254,14 @@ if triton is not None:
         return tl.reshape(tl.cumsum(tl.reshape(x, [C // BC, BC, BK]), 1, reverse=REVERSE), [C, BK])
 
     @triton.jit
-    def _output_kernel(qd_ptr, A_ptr, U_ptr, h_ptr, o_ptr, T, H, K, V, N, C: tl.constexpr, BK: tl.constexpr,
+    def _output_kernel(qd_ptr, A_ptr, U_ptr, h_ptr, o_ptr, T, H, K, V, N, N0, C: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                        QS: tl.constexpr = "", AU: tl.constexpr = ""):
-        # program (chunk n, row bh, block of BV output columns): O_n = q̃_n S_n + Aqk_n U_n from the state pass's
-        # S_n (h [B·H, N, K, V]) and U_n; chunk-parallel. QS "16": q̃_n S_n with 16-bit operands (both stored
-        # in 16 bits: the same products as TF32's, at the 16-bit rate); "": STATE's. AU: the same for Aqk_n U_n.
-        n = tl.program_id(0)
+        # program (chunk n = N0 + its first index, row bh, block of BV output columns): O_n = q̃_n S_n + Aqk_n U_n
+        # from the state pass's S_n (h [B·H, N, K, V]) and U_n; chunk-parallel. QS "16": q̃_n S_n with 16-bit
+        # operands (both stored in 16 bits: the same products as TF32's, at the 16-bit rate); "": STATE's. AU: the
+        # same for Aqk_n U_n.
+        n = N0 + tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -930,26 +931,36 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         for chunks, sN in zip(bounds, finals):
             launch(*chunks)
             s0 = _state_pass(x, B, T, H, K, V, q.dtype, s0=s0, chunks=chunks, sN=sN, **opts)
-    else:   # the pieces' intra-chunk kernels on one stream, their state passes on another as each piece is ready
+            if not fuse:
+                _output_pass(x, states, o, q.dtype, U=U, chunks=chunks)
+    else:
+        # piece p's intra-chunk kernels and then piece p − 1's outputs on one stream, the state passes in order on a
+        # high-priority one, each once its piece is ready (an event is waited for only after it is recorded)
         main = torch.cuda.current_stream(q.device)
         side, high = _streams(q.device)
         side.wait_stream(main)
         high.wait_stream(main)
-        ready = []
-        with torch.cuda.stream(side):
-            for chunks in bounds:
+        passed = []
+        for p, (chunks, sN) in enumerate(zip(bounds, finals)):
+            with torch.cuda.stream(side):
                 launch(*chunks)
-                ready.append(side.record_event())
-        with torch.cuda.stream(high):
-            for chunks, sN, event in zip(bounds, finals, ready):
-                high.wait_event(event)
+                ready = side.record_event()
+                if not fuse and p > 0:
+                    side.wait_event(passed[p - 1])
+                    _output_pass(x, states, o, q.dtype, U=U, chunks=bounds[p - 1])
+            with torch.cuda.stream(high):
+                high.wait_event(ready)
                 s0 = _state_pass(x, B, T, H, K, V, q.dtype, s0=s0, chunks=chunks, sN=sN, **opts)
-        main.wait_stream(high)   # which waited for every piece of `side`
+                passed.append(high.record_event())
+        if not fuse:
+            with torch.cuda.stream(side):
+                side.wait_event(passed[-1])
+                _output_pass(x, states, o, q.dtype, U=U, chunks=bounds[-1])
+        main.wait_stream(high)
+        main.wait_stream(side)
     x = _intra_done(x, residuals)
     if U is not None:   # U_n replaces u from here on
         x["u"] = U
-    if not fuse:
-        _output_pass(x, states, o, q.dtype)
     return (o, finals[-1], x, states) if residuals else (o, finals[-1])
 
 
@@ -986,17 +997,20 @@ def _streams(device: torch.device) -> tuple:
     return _STREAMS[i]
 
 
-def _output_pass(x: dict[str, Tensor], states: Tensor, o: Tensor, dtype: torch.dtype) -> None:
+def _output_pass(x: dict[str, Tensor], states: Tensor, o: Tensor, dtype: torch.dtype, *, U: Tensor | None = None,
+                 chunks: tuple[int, int] | None = None) -> None:
     """O_n = q̃_n S_n + Aqk_n U_n into o [B, T, H, V] (`_output_kernel`), from the scratch `x` after a state pass
-    that stored S_n into `states` [R, N, K, V] and U_n over x["u"]."""
+    that stored S_n into `states` [R, N, K, V] and U_n into `U` (None: over x["u"]); chunks (n0, n1): only those."""
     R, N, C, K = x["qd"].shape
     B, T, H, V = o.shape
+    U = U if U is not None else x["u"]
+    n0, n1 = chunks if chunks is not None else (0, N)
     cfg = output_config(K, V, ieee=dtype not in _DT16)
     dots = _dots(dtype, "state")
     qs = "16" if dtype in _DT16 and x["qd"].dtype == states.dtype == torch.bfloat16 else ""
-    au = "16" if dtype in _DT16 and x["A"].dtype == x["u"].dtype == torch.bfloat16 else ""
-    _output_kernel[(N, R, triton.cdiv(V, cfg["BV"]))](
-        x["qd"], x["A"], x["u"], states, o, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], QS=qs, AU=au,
+    au = "16" if dtype in _DT16 and x["A"].dtype == U.dtype == torch.bfloat16 else ""
+    _output_kernel[(n1 - n0, R, triton.cdiv(V, cfg["BV"]))](
+        x["qd"], x["A"], U, states, o, T, H, K, V, N, n0, C=C, BK=cfg["BK"], BV=cfg["BV"], QS=qs, AU=au,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **dots)
 
 

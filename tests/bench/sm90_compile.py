@@ -278,7 +278,7 @@ def kda_fwd():
         yield f"kda output {name}, q~/S_n {sc[1:]} {c}", report(
             kt._output_kernel, dict(qd_ptr=sc, A_ptr=sc if kt.V3["a16"] else F32,
                                     U_ptr=sc if kt.V3["u16"] else F32, h_ptr=sc, o_ptr=x),
-            dict(T=T, H=H, K=KD, V=KD, N=N), dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"],
+            dict(T=T, H=H, K=KD, V=KD, N=N, N0=0), dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"],
                                                   QS="16" if name == "bf16" else "",
                                                   AU="16" if name == "bf16" and kt.V3["u16"] and kt.V3["a16"] else "",
                                                   **common),
