@@ -307,8 +307,9 @@ def kda_bwd():
         ptrs = dict(v_ptr=x, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair,
                     dL_ptr=pair, dAd_ptr=F32, dbv_ptr=F32, dv_ptr=x)
         consts = dict(C=C, BV=c["BV"], HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], **common)
-        yield f"kda bwd dAqk/dL/dv {name} {c}", report(kb._bwd_dav_kernel, ptrs, dict(T=T, H=H, V=KD, N=N, scale=0.1),
-                                                       consts, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        yield f"kda bwd dAqk/dL/dv {name} {c}", report(kb._bwd_dav_kernel, ptrs,
+                                                       dict(T=T, H=H, V=KD, N=N, N0=0, scale=0.1), consts,
+                                                       num_warps=c["num_warps"], num_stages=c["num_stages"])
         c = kb.dqkg_config(C, KD, KD, ieee=name == "fp32")
         ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, h_ptr=F32,
                     dh_ptr=F32, dU_ptr=F32, do_ptr=x, dA_ptr=pair, dL_ptr=pair, dAd_ptr=F32, dq_ptr=x, dk_ptr=x,
@@ -316,7 +317,7 @@ def kda_bwd():
         consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, WIDE=False, SPLIT=False, **prec,
                       **common)
         yield f"kda bwd dq/dk/dg {name} {c}", report(kb._bwd_dqkg_kernel, ptrs,
-                                                     dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
+                                                     dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, scale=0.1), consts,
                                                      num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
@@ -400,7 +401,7 @@ def kda_bwd_saved():
                       **common)
         yield (f"kda reverse state pass (own) bf16, {bv} columns, {warps} warps, {stages} stages, q~ dO "
                f"{'bf16' if qd16 else 'tf32'}, dS {dh[1:]}"), report(
-            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=warps,
+            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, N1=N), consts, num_warps=warps,
             num_stages=stages)
     # `REVERSE["dots"]` "x2n" launches
     for bv, warps, stages in ((16, 4, 2), (16, 4, 1), (16, 8, 2), (64, 4, 2), (8, 4, 2), (32, 8, 2), (32, 4, 2)):
@@ -409,7 +410,7 @@ def kda_bwd_saved():
         consts = dict(C=C, BK=KD, BV=bv, HAS_DSN=True, HAS_DH0=True, QD16=False, STATE=prec["STATE"], CHAIN="x2n",
                       **common)
         yield f"kda reverse state pass (own) bf16, x2n dots, {bv} columns, {warps} warps, {stages} stages", report(
-            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=warps,
+            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, N1=N), consts, num_warps=warps,
             num_stages=stages)
     for name in ("bf16", "fp32"):
         x = BF if name == "bf16" else F32
@@ -429,7 +430,7 @@ def kda_bwd_saved():
                           **common)
             yield (f"kda bwd dq/dk/dg {name}, {'wide' if wide else 'batched'}{', state terms split' if split else ''}"
                    f", BK={bk}, {warps} warps"), report(
-                kb._bwd_dqkg_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts, num_warps=warps,
+                kb._bwd_dqkg_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, scale=0.1), consts, num_warps=warps,
                 num_stages=1)
     prec, common = _kda_prec("bf16")
     ptrs = dict(q_ptr=BF, k_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=U16, h_ptr=BF,
@@ -437,7 +438,7 @@ def kda_bwd_saved():
     for bk, bv, warps in ((64, 64, 8), (32, 64, 4)):
         consts = dict(C=C, BK=bk, BV=bv, HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], **common)
         yield f"kda bwd state terms (`_bwd_state_kernel`) bf16, BK={bk}, BV={bv}, {warps} warps", report(
-            kb._bwd_state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts, num_warps=warps,
+            kb._bwd_state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, scale=0.1), consts, num_warps=warps,
             num_stages=1)
 
 
