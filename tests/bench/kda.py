@@ -15,8 +15,8 @@ returned. Rows: fla's `chunk_kda` with its defaults and with `safe_gate=True, lo
 the project's `Backend(kda="triton")` (the op `kimi::kda_triton`: forward, its three kernels timed apart, and
 forward+backward), the forward with each of `VARIANTS`' options of kda_triton.V3 (`--variants` picking some;
 `--only-variants`: only those; `--rounds`: also their forwards in interleaved rounds, the fair comparison on a GPU
-whose timings drift; `--v3`: options over the defaults for every row of ours) and, with `--chunk-triton`,
-`Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
+whose timings drift; `--v3`, `--bwd-pieces`: options over the defaults for every row of ours) and, with
+`--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
 
 Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's `fused_recurrent_kda` (state in,
 final state out) against the project's in-place step (`kda_step_inplace_triton`, q and k already normalized) and
@@ -442,12 +442,16 @@ def main() -> None:
     ap.add_argument("--v3", nargs="*", default=[], metavar="KEY=VALUE",
                     help="kda_triton.V3 options over the defaults for every row of ours (Python literals: "
                          "out=state out_dots=x2n)")
+    ap.add_argument("--bwd-pieces", default=None, help="kda_bwd_triton.PIECES for every row of ours (an int or auto)")
     a = ap.parse_args()
     try:
         from kimi.ops import kda_triton as kt
         kt.V3.update(parse_v3(a.v3))
     except ValueError as e:
         ap.error(f"--v3 {e}")
+    if a.bwd_pieces is not None:
+        from kimi.ops import kda_bwd_triton as kb
+        kb.PIECES = a.bwd_pieces if a.bwd_pieces == "auto" else int(a.bwd_pieces)
     unknown = [v for v in a.variants or () if v not in VARIANTS]
     if unknown:
         ap.error(f"--variants {unknown}: not among {list(VARIANTS)}")
@@ -455,7 +459,8 @@ def main() -> None:
         ap.error("--rounds times the named --variants: name at least one")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"
-          f"{', V3 ' + ' '.join(a.v3) if a.v3 else ''}", flush=True)
+          f"{', V3 ' + ' '.join(a.v3) if a.v3 else ''}"
+          f"{', backward pieces ' + a.bwd_pieces if a.bwd_pieces else ''}", flush=True)
     chunk_kda, fused_recurrent_kda = fla_module()
     if a.no_fla_chunk:
         chunk_kda = None
