@@ -162,7 +162,7 @@ def test_backward_in_pieces(monkeypatch):
     piece, last first, from the gradient the later piece hands it, then that piece's chunk-parallel kernels; on a
     GPU on two streams) equals the one-piece backward bit for bit: 4 chunks in 3 pieces of unequal length with
     document starts inside and at their edges, with and without a final-state gradient and an initial state."""
-    x = _inputs(1, 200, 2, 32, 24, "mixed", torch.bfloat16)
+    x = _inputs(1, 200, 1, 16, 16, "mixed", torch.bfloat16)
     reset = resets(1, 200, [[23, 64, 130]])
     for with_dsN, h0 in ((True, True), (False, False)):
         xs = x if h0 else {**x, "initial_state": None}

@@ -177,27 +177,27 @@ def test_forward_options(monkeypatch):
 
 def test_output_in_state_pass(monkeypatch):
     """O_n formed in the state pass (kda_triton.V3["out"] = "state": no `_output_kernel`, S_n and U_n stored only
-    with residuals) at K = V = 128 in bf16, a document start inside a chunk: its dots on S_n, U_n as two bf16 parts
+    with residuals) at K = V = 32 in bf16, a document start inside a chunk: its dots on S_n, U_n as two bf16 parts
     ("x2n", also `_auto_state`'s 8-column launch at these two heads, where a bf16 dot would be too narrow) or
     rounded to bf16 ("16"), alone and keeping the backward's scratch, within the bf16 tolerance of the float64 recurrence; the kept S_n, U_n and the
     final state are the output kernel's path's exactly (the same chain of S), and "16" takes the same products as
     `_output_kernel`."""
     T = 80
-    x = _inputs(1, T, 2, 128, 128, "mixed", torch.bfloat16)
+    x = _inputs(1, T, 2, 32, 32, "mixed", torch.bfloat16)
     reset = resets(1, T, [[23]])
-    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset, scale=128 ** -0.5)
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, _f64(x), reset)
     launch = dict(state_block=16, state_dots="x2n", state_warps=8, state_stages=3)
     with monkeypatch.context() as mp:
         for name, value in dict(out="kernel", **launch).items():
             mp.setitem(kt.V3, name, value)
-        o_k, S_k, scratch_k, states_k = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, residuals=True)
+        o_k, S_k, scratch_k, states_k = _call(kt.kda_chunk_fwd_triton, x, reset, residuals=True)
     for options in (dict(out_dots="16", **launch), dict(out_dots="x2n", **launch),
                     dict(state_block="auto")):
         with monkeypatch.context() as mp:
             for name, value in {"out": "state", **options}.items():
                 mp.setitem(kt.V3, name, value)
-            o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
-            o_r, S_r, scratch, states = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, residuals=True)
+            o, S = _call(kt.kda_chunk_fwd_triton, x, reset)
+            o_r, S_r, scratch, states = _call(kt.kda_chunk_fwd_triton, x, reset, residuals=True)
         assert rel_err(o.cpu(), o_ref) < BF16_TOL and rel_err(S.cpu(), S_ref) < BF16_TOL, options
         assert torch.equal(o, o_r) and torch.equal(S, S_r), options
         if options.get("state_block") == 16:
@@ -213,7 +213,7 @@ def test_forward_in_pieces(dtype, monkeypatch):
     o, the final state and the backward's scratch, with document starts inside and at the edges of pieces of
     unequal length (4 chunks in 3 pieces), O_n from the output kernel or from the state pass."""
     T = 200
-    x = _inputs(1, T, 2, 32, 32, "mixed", dtype)
+    x = _inputs(1, T, 1, 16, 16, "mixed", dtype)
     reset = resets(1, T, [[23, 64, 130]])
     o1, S1, scratch1, states1 = _call(kt.kda_chunk_fwd_triton, x, reset, residuals=True)
     for options in (dict(pieces=3), dict(pieces=2, out="state")):
