@@ -177,11 +177,10 @@ def test_forward_options(monkeypatch):
 
 def test_output_in_state_pass(monkeypatch):
     """O_n formed in the state pass (kda_triton.V3["out"] = "state": no `_output_kernel`, S_n and U_n stored only
-    with residuals) at K = V = 32 in bf16, a document start inside a chunk: its dots on S_n, U_n as two bf16 parts
-    ("x2n", also `_auto_state`'s 8-column launch at these two heads, where a bf16 dot would be too narrow) or
-    rounded to bf16 ("16"), alone and keeping the backward's scratch, within the bf16 tolerance of the float64 recurrence; the kept S_n, U_n and the
-    final state are the output kernel's path's exactly (the same chain of S), and "16" takes the same products as
-    `_output_kernel`."""
+    with residuals) at K = V = 32 in bf16, a document start inside a chunk, its dots on S_n and U_n as two bf16
+    parts, in 16-column blocks and in `_auto_state`'s 8 at these two heads, alone and keeping the backward's
+    scratch: within the bf16 tolerance of the float64 recurrence, and the kept S_n, U_n and the final state are the
+    output kernel's path's exactly (the same chain of S)."""
     T = 80
     x = _inputs(1, T, 2, 32, 32, "mixed", torch.bfloat16)
     reset = resets(1, T, [[23]])
@@ -191,8 +190,7 @@ def test_output_in_state_pass(monkeypatch):
         for name, value in dict(out="kernel", **launch).items():
             mp.setitem(kt.V3, name, value)
         o_k, S_k, scratch_k, states_k = _call(kt.kda_chunk_fwd_triton, x, reset, residuals=True)
-    for options in (dict(out_dots="16", **launch), dict(out_dots="x2n", **launch),
-                    dict(state_block="auto")):
+    for options in (launch, dict(state_block="auto")):
         with monkeypatch.context() as mp:
             for name, value in {"out": "state", **options}.items():
                 mp.setitem(kt.V3, name, value)
@@ -202,8 +200,17 @@ def test_output_in_state_pass(monkeypatch):
         assert torch.equal(o, o_r) and torch.equal(S, S_r), options
         if options.get("state_block") == 16:
             assert torch.equal(S, S_k) and torch.equal(states, states_k) and torch.equal(scratch["u"], scratch_k["u"])
-        if options.get("out_dots") == "16":
-            assert rel_err(o.cpu(), o_k.cpu()) < 2e-3
+
+
+def test_output_in_state_pass_auto():
+    """`fuse_output`'s "auto" (the default): O_n in the state pass for 16-bit inputs where `_auto_state` runs at most
+    one program an SM in at most four column blocks (32 heads: 32 columns), not at 96 heads (two programs an SM)
+    nor at 8 (sixteen 8-column blocks, each reading q̃ and Aqk again), nor for fp32 inputs or scratch."""
+    cpu, bf, f32 = torch.device("cpu"), torch.bfloat16, torch.float32
+    assert kt.V3["out"] == "auto"
+    assert kt.fuse_output(32, 128, bf, bf, cpu)
+    assert not kt.fuse_output(96, 128, bf, bf, cpu) and not kt.fuse_output(8, 128, bf, bf, cpu)
+    assert not kt.fuse_output(32, 128, f32, f32, cpu) and not kt.fuse_output(32, 128, bf, f32, cpu)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

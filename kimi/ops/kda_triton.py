@@ -641,7 +641,7 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_kw": 32, "num_warps": 4, "stages": 2,
       "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 2, "solve_warps": None,
       "block_k4": 32, "block_k6": 16, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True,
-      "output_bk": None, "out": "kernel", "out_dots": "16", "pieces": 1}
+      "output_bk": None, "out": "auto", "pieces": 1}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
@@ -663,8 +663,7 @@ strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": b
 "output_bk" the output kernel's key piece for 16-bit inputs (None: `output_config`'s; the whole key dim in one piece
 runs one stage: the loop over pieces then has one trip);
 "out" where O_n is formed: "kernel" (`_output_kernel`, from the stored S_n and U_n), "state" (in the state pass,
-which then stores S_n and U_n only for a backward) or "auto" (`fuse_output`), and "out_dots" the operands of its
-dots there (`out_dots`);
+which then stores S_n and U_n only for a backward) or "auto" (`fuse_output`; its dots' operands: `out_dots`);
 "pieces" the runs of chunks the forward launches its kernels in, overlapping one piece's state pass with the next
 one's intra-chunk kernels on a GPU (1, or "auto": `forward_pieces`).
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
@@ -681,8 +680,7 @@ def _check_v3() -> None:
         raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
     allowed = {"strips": ("v4", "v6"), "u16": (True, False, "U"), "a16": (True, False),
                "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32"),
-               "output_bk": (None, 16, 32, 64, 128, 256), "out": ("kernel", "state", "auto"),
-               "out_dots": ("16", "x2n")}
+               "output_bk": (None, 16, 32, 64, 128, 256), "out": ("kernel", "state", "auto")}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
     if V3["pieces"] != "auto" and not (isinstance(V3["pieces"], int) and V3["pieces"] >= 1):
         bad["pieces"] = V3["pieces"]
@@ -793,7 +791,7 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     picks them, the launch and the dots by the shape); launch: num_warps and num_stages over `state_config`'s; dots:
     the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2", "x2n" and "16" need bf16 w
     and k̃, `_dot`). out [B, T, H, V]: also O_n = q̃_n S_n + Aqk_n U_n into it from the pass's registers (the work of
-    `_output_pass`, which is then not needed), its dots' operands `out_dots`. chunks (n0, n1): only chunks
+    `_output_pass`, which is then not needed), its dots' operands `out_dots`'s. chunks (n0, n1): only chunks
     n0..n1−1, from s0 (the state entering n0) to the state leaving n1 − 1 (the default: all). sN: where to write the
     final state (else a new tensor)."""
     R, N, C = x["w"].shape[:3]
@@ -806,7 +804,7 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     mode = 2 if identity else (1 if s0 is not None else 0)
     fused = {}
     if out is not None:
-        fused = dict(qd_ptr=x["qd"], A_ptr=x["A"], o_ptr=out, T=T, H=H, OUT=out_dots(x, dtype, cfg["BV"], prec))
+        fused = dict(qd_ptr=x["qd"], A_ptr=x["A"], o_ptr=out, T=T, H=H, OUT=out_dots(x, dtype, prec))
     _state_kernel[(R, triton.cdiv(V, cfg["BV"]))](
         x["w"], x["u"], x["kd"], x["d"], s0_ptr, sN, states if states is not None else sN,
         U if U is not None else x["u"], K, V, N, n0, n1, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u,
@@ -814,14 +812,13 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     return sN
 
 
-def out_dots(x: dict[str, Tensor], dtype: torch.dtype, block_v: int, prec: dict) -> str:
-    """The operands of O_n's two dots in the state pass (`_state_kernel`'s OUT) for inputs of `dtype`, its dots
-    `prec` (`_dots`) and `block_v` state columns: with bf16 q̃ and Aqk (16-bit inputs), `V3["out_dots"]` ("16": S_n
-    and U_n rounded to bf16, the products `_output_kernel` takes from their bf16 copies; "x2n": each as two bf16
-    parts, 16 bits of mantissa; "x2n" below 16 columns, where a bf16 dot would be narrower than Triton's 16); else
-    the pass's own."""
+def out_dots(x: dict[str, Tensor], dtype: torch.dtype, prec: dict) -> str:
+    """The operands of O_n's two dots in the state pass (`_state_kernel`'s OUT) for inputs of `dtype` and the pass's
+    dots `prec` (`_dots`): with bf16 q̃ and Aqk (16-bit inputs) "x2n", S_n and U_n each as two bf16 parts (16 bits of
+    mantissa, where `_output_kernel` reads their bf16 copies; S_n and U_n rounded to bf16 instead ("16") gave wrong
+    outputs at 32 columns on an H100 under Triton 3.6, docs/performance.md KDA round 10); else the pass's own."""
     if dtype in _DT16 and x["qd"].dtype == x["A"].dtype == torch.bfloat16:
-        return "x2n" if block_v < 16 else V3["out_dots"]
+        return "x2n"
     return prec["STATE"]
 
 
@@ -829,13 +826,15 @@ def fuse_output(R: int, V: int, dtype: torch.dtype, scratch: torch.dtype, device
     """Whether the forward forms O_n in its state pass (`_state_kernel`'s OUT) rather than in `_output_kernel`:
     `V3["out"]` "state" always, "kernel" never, "auto" for 16-bit inputs with bf16 scratch where `_auto_state`
     leaves at most one program an SM (few sequences × heads: the pass is a chain of dependent dots with the SM
-    otherwise idle, and O_n's dots are off that chain)."""
+    otherwise idle) in at most four column blocks (every column block's program reads the chunk's q̃ and Aqk again:
+    at 8 columns, sixteen of them, it measured slower; docs/performance.md, KDA round 10)."""
     if V3["out"] != "auto":
         return V3["out"] == "state"
     if dtype not in _DT16 or scratch != torch.bfloat16 or V3["state_block"] != "auto":
         return False
     sms = sm_count(device) if device.type == "cuda" else 132
-    return R * triton.cdiv(V, _auto_state(R, V, device)[0]) <= sms
+    blocks = triton.cdiv(V, _auto_state(R, V, device)[0])
+    return R * blocks <= sms and blocks <= 4
 
 
 def state_launch(R: int, K: int, V: int, dtype: torch.dtype, scratch: torch.dtype, device: torch.device, *,

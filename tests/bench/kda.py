@@ -4,7 +4,7 @@
     PYTHONPATH=. python tests/bench/kda.py --shapes 8192x96 32768x32 65536x8 --chunk-triton
     PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --variants defaults v4
     PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-variants --variants defaults v6-4w --rounds 5
-    PYTHONPATH=. python tests/bench/kda.py --shapes 32768x32 --no-decode --fla-safe-only --v3 out=state
+    PYTHONPATH=. python tests/bench/kda.py --shapes 32768x32 --no-decode --fla-safe-only --v3 out=kernel
 
 fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
 by default.
@@ -300,18 +300,14 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
             # the v6 strips' key pieces (16 by default since KDA round 6)
             "bk32": dict(block_k6=32),
-            # O_n formed in the state pass (no output kernel; S_n, U_n not stored by a forward alone): its dots'
-            # operands S_n, U_n as two bf16 parts or rounded to bf16; "auto": where the pass is one program an SM
-            "out-state": dict(out="state", out_dots="x2n"), "out-state-16": dict(out="state", out_dots="16"),
-            "out-auto": dict(out="auto", out_dots="x2n"),
+            # where O_n is formed: the output kernel (the default before KDA round 10) or the state pass at every
+            # shape (the default "auto": where the pass is one program an SM in at most four column blocks)
+            "out-kernel": dict(out="kernel"), "out-state": dict(out="state"),
             # the forward in pieces of chunks: a piece's state pass beside the next one's intra-chunk kernels
             "pieces-2": dict(pieces=2), "pieces-4": dict(pieces=4), "pieces-8": dict(pieces=8),
-            "pieces-4-out": dict(pieces=4, out="state", out_dots="x2n"),
-            "pieces-8-out": dict(pieces=8, out="state", out_dots="x2n"),
-            "auto": dict(pieces="auto", out="auto", out_dots="x2n"),
+            "pieces-auto": dict(pieces="auto"), "pieces-4-kernel": dict(pieces=4, out="kernel"),
             # the 32-column pass at two stages: 147 KB of shared memory with O_n against 221, room beside it
-            "pieces-4-out-2s": dict(pieces=4, out="state", out_dots="x2n", state_block=32, state_dots="x2n",
-                                    state_warps=8, state_stages=2)}
+            "pieces-4-2s": dict(pieces=4, state_block=32, state_dots="x2n", state_warps=8, state_stages=2)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
@@ -441,7 +437,7 @@ def main() -> None:
                     help="also time the named --variants' forwards in this many interleaved rounds (medians)")
     ap.add_argument("--v3", nargs="*", default=[], metavar="KEY=VALUE",
                     help="kda_triton.V3 options over the defaults for every row of ours (Python literals: "
-                         "out=state out_dots=x2n)")
+                         "out=kernel pieces=4)")
     ap.add_argument("--bwd-pieces", default=None, help="kda_bwd_triton.PIECES for every row of ours (an int or auto)")
     a = ap.parse_args()
     try:

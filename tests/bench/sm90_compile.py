@@ -371,10 +371,9 @@ def kda_fwd_v4():
             dict(C=C, BK=KD, BV=bv, S0=1, HAS_U=True, STORE=True, STATE=dots, **common), num_warps=warps,
             num_stages=stages)
     # O_n formed in the pass (`V3["out"]`): the forward alone (nothing stored) and with S_n, U_n kept for a backward
-    for dots, bv, warps, stages, out, store in (("x2n", 32, 8, 3, "16", False), ("x2n", 32, 8, 3, "x2n", False),
-                                                ("x2n", 32, 8, 2, "16", False), ("x2n", 32, 8, 3, "16", True),
-                                                ("x2n", 8, 8, 3, "x2n", False), ("x2n", 16, 8, 3, "16", False),
-                                                ("x2", 64, 4, 2, "16", False)):
+    for dots, bv, warps, stages, out, store in (("x2n", 32, 8, 3, "x2n", False), ("x2n", 32, 8, 2, "x2n", False),
+                                                ("x2n", 32, 8, 3, "x2n", True), ("x2n", 8, 8, 3, "x2n", False),
+                                                ("x2", 64, 4, 2, "x2n", False)):
         yield (f"kda state pass bf16 forming O_n ({out} dots){', S_n U_n stored' if store else ''}, dots {dots}, "
                f"{bv} columns, {warps} warps, {stages} stages"), report(
             kt._state_kernel, dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=BF,
