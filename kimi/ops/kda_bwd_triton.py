@@ -44,13 +44,12 @@ the final state's gradient enters it as dS_N.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch import Tensor
 
-from .kda_triton import (_DT16, SUB_CHUNK, V3, _check, _dots, _pow2, _state_pass, _streams, kda_chunk_fwd_triton,
-                         kda_intra_triton, piece_bounds, state_config)
+from .kda_triton import (_DT16, SUB_CHUNK, V3, _check, _dots, _pow2, _state_pass, _streams, auto_pieces,
+                         kda_chunk_fwd_triton, kda_intra_triton, piece_bounds, state_config)
 from .registry import sm_count, tl, triton
 
 if triton is not None:
@@ -432,7 +431,7 @@ def backward_pieces(R: int, V: int, N: int, dtype: torch.dtype, device: torch.de
     if p == "auto":
         p = 1
         if dtype in _DT16 and device.type == "cuda" and R * triton.cdiv(V, 64) < sm_count(device):
-            p = max(1, min(4, N // 8))
+            p = auto_pieces(N)
     if not (isinstance(p, int) and p >= 1):
         raise ValueError(f"kda_bwd_triton.PIECES = {PIECES!r}: an int >= 1 or 'auto'")
     return min(p, N)
@@ -461,11 +460,6 @@ def _pieces_in_reverse(device: torch.device, bounds: list, reverse_pass, grads, 
             grads(*bounds[p])
     main.wait_stream(high)
     main.wait_stream(side)
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 def dav_config(C: int, V: int, ieee: bool) -> dict:
@@ -612,7 +606,7 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         # Every tensor the side stream touches was allocated before the fork and is freed after the join.
         overlap = OVERLAP and q.is_cuda
         if overlap:
-            main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+            main, side = torch.cuda.current_stream(q.device), _streams(q.device)[0]
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 reverse_pass()

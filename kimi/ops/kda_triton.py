@@ -973,8 +973,13 @@ def forward_pieces(R: int, V: int, N: int, dtype: torch.dtype, scratch: torch.dt
         p = 1
         if dtype in _DT16 and scratch == torch.bfloat16 and V3["state_block"] == "auto" and device.type == "cuda":
             if R * triton.cdiv(V, _auto_state(R, V, device)[0]) <= sm_count(device):
-                p = max(1, min(4, N // 8))
+                p = auto_pieces(N)
     return max(1, min(p, N))
+
+
+def auto_pieces(N: int) -> int:
+    """The pieces "auto" takes where they apply, forward and backward: 4 of at least 8 chunks."""
+    return max(1, min(4, N // 8))
 
 
 def piece_bounds(N: int, pieces: int) -> list[tuple[int, int]]:
@@ -987,9 +992,9 @@ _STREAMS: dict[int, tuple] = {}
 
 
 def _streams(device: torch.device) -> tuple:
-    """Two CUDA streams of `device` for the pieces of the forward (made once): one of default priority for the
-    intra-chunk kernels, one of high priority for the state pass, whose programs then take an SM first when one
-    frees."""
+    """Two CUDA streams of `device` (made once) for the pieces of the forward and the backward: one of default
+    priority for the chunk-parallel kernels, one of high priority for the state passes, whose programs then take
+    an SM first when one frees."""
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _STREAMS:   # priority −1: high (lower numbers are higher; 0 the default)
         _STREAMS[i] = (torch.cuda.Stream(device=i), torch.cuda.Stream(device=i, priority=-1))
