@@ -364,18 +364,11 @@ if triton is not None:
                        r_ptr, T, H, K, V, N, N0, scale, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
                        LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr,
                        INVERSE: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                       QKD: tl.constexpr, GAMMA: tl.constexpr, A_ptr=None, COUPLE: tl.constexpr = False,
-                       BKC: tl.constexpr = 32, PAIR: tl.constexpr = "16"):
-        # program (chunk n = N0 + its first index, row bh): `_solve3` after `_strips6_kernel` or `_strips4_kernel`;
-        # COUPLE (after `_strips9_kernel`, which wrote only the diagonal blocks): first the blocks of β·L and Aqk
-        # left of them (`_couplings`, key pieces of BKC)
+                       QKD: tl.constexpr, GAMMA: tl.constexpr):
+        # program (chunk n = N0 + its first index, row bh): `_solve3` after `_strips6_kernel` or `_strips4_kernel`
         n = N0 + tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
-        if COUPLE:
-            _couplings(q_ptr, k_ptr, beta_ptr, r_ptr, A_ptr, M_ptr, n, bh, T, H, K, N, scale, rst, C, LOG_BC, LEVELS,
-                       BKC, PAIR, DT, EMULATE)
-            tl.debug_barrier()   # β·L's blocks back as the doubling reads them
         _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, r_ptr, n, bh, K, V,
                 N, scale, valid, tok, (seg == 0)[:, None], (seg == n_seg)[:, None], n_seg, C, BC, LOG_BC, LEVELS, BK,
                 BV, INVERSE, SOLVE, DT, EMULATE, QKD, GAMMA)
@@ -562,113 +555,6 @@ if triton is not None:
         tl.debug_barrier()   # every thread has read L_aa
         tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
 
-    @triton.jit
-    def _strips9_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, T, H, K, N,
-                        N0, scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
-                        PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                        QKD: tl.constexpr = False):
-        # program (i · NB + a, row bh) for chunk n = N0 + i and query block a, `V3["strips"] = "v9"` (16-bit
-        # inputs): only the diagonal block a of L and Aqk (keys of block a, e^{Γ_n_a − Γ_j} ≤ e^{75}), (I + L_aa)⁻¹
-        # into M's diagonal block, Aqk_aa into A with zeros right of it, and (QKD) q̃, k̃ of its rows and d; the
-        # blocks left of the diagonal are the solve's (`_couplings`).
-        NB: tl.constexpr = C // BC
-        n = N0 + tl.program_id(0) // NB
-        a = tl.program_id(0) % NB
-        bh = tl.program_id(1).to(tl.int64)
-        seq = bh // H
-        h = bh % H
-        t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
-        rows = tl.arange(0, C)
-        lr = tl.arange(0, BC)
-        ra = a * BC + lr
-        va = ((n * C + ra) < T)[:, None]
-        toka = (seq * T + n * C + ra) * H + h
-        a_rows = (bh * N + n) * C + ra
-        seg_a = tl.sum(tl.where(rows[None, :] <= ra[:, None], rst[None, :], 0), 1)
-        s_kk = tl.zeros([BC, BC], dtype=tl.float32)
-        s_qk = tl.zeros([BC, BC], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            mk = (kk < K)[None, :]
-            g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
-            gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
-            q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
-            k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
-            e = tl.exp(gam_a - g_na[None, :])
-            k_an = k_a * tl.exp(g_na[None, :] - gam_a)
-            s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
-            s_qk = _dot(q_a * e, tl.trans(k_an), s_qk, PAIR, DT, EMULATE)
-            if QKD:
-                g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
-                _qkd_from_gamma(q_a, k_a, gam_a, g_end, (seg_a == 0)[:, None], (seg_a == n_seg)[:, None], scale,
-                                a_rows, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
-                if a == NB - 1:
-                    tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
-        beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
-        same = seg_a[:, None] == seg_a[None, :]
-        a_qk = tl.where(same & (lr[None, :] <= lr[:, None]), s_qk * scale, 0.0)
-        tl.store(A_ptr + a_rows[:, None] * C + ra[None, :], _to16(a_qk, A_ptr.dtype.element_ty, EMULATE))
-        tl.store(A_ptr + a_rows[:, None] * C + rows[None, :], tl.zeros([BC, C], dtype=A_ptr.dtype.element_ty),
-                 mask=(rows >= a * BC + BC)[None, :])   # the output reads Aqk whole
-        nil = tl.where(same & (lr[None, :] < lr[:, None]), s_kk * beta_a[:, None], 0.0)
-        zb = tl.zeros([BC, BC], dtype=tl.float32)
-        inv = (lr[:, None] == lr[None, :]).to(tl.float32) - nil
-        pw = nil
-        tl.static_assert(BC == 16)
-        for i in tl.static_range(3):   # (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
-            pw = _dot(pw, pw, zb, SOLVE, DT, EMULATE)
-            inv = _dot(inv, pw, inv, SOLVE, DT, EMULATE)
-        tl.store(M_ptr + a_rows[:, None] * C + ra[None, :], inv)
-
-    @triton.jit
-    def _couplings(q_ptr, k_ptr, beta_ptr, r_ptr, A_ptr, M_ptr, n, bh, T, H, K, N, scale, rst, C: tl.constexpr,
-                   LOG_BC: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr,
-                   DT: tl.constexpr, EMULATE: tl.constexpr):
-        """Chunk n's blocks of β·L (into M) and Aqk (into A) left of the diagonal blocks, level by level as the
-        doubling couples them: at level s = BC, 2·BC, …, C/2 the rows of each odd s-block against the keys of the
-        even s-block before it, both anchored at the odd block's first row m (rows e^{Γ_r − Γ_m} ≤ 1, keys
-        e^{Γ_m − Γ_j} ≤ 1), the C/2 rows against the C/2 keys in one dot per key piece (pairs of different
-        2s-blocks masked out)."""
-        HALF: tl.constexpr = C // 2
-        i = tl.arange(0, HALF)
-        rows = tl.arange(0, C)
-        b = bh // H
-        h = bh % H
-        base = (bh * N + n) * C
-        for lvl in tl.static_range(LOG_BC, LEVELS):
-            s = 1 << lvl
-            r = (i // s) * (2 * s) + s + i % s        # rows of the odd s-blocks
-            j = r - s                                 # keys of the even s-block before each
-            m = (i // s) * (2 * s) + s                # their anchor: the odd block's first row
-            vr = (n * C + r < T)[:, None]
-            vj = (n * C + j < T)[:, None]
-            tok_r = (b * T + n * C + r) * H + h
-            tok_j = (b * T + n * C + j) * H + h
-            s_kk = tl.zeros([HALF, HALF], dtype=tl.float32)
-            s_qk = tl.zeros([HALF, HALF], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                kk = k0 + tl.arange(0, BK)
-                mk = (kk < K)[None, :]
-                g_m = tl.load(r_ptr + (base + m)[:, None] * K + kk[None, :], mask=mk, other=0.0)
-                g_r = tl.load(r_ptr + (base + r)[:, None] * K + kk[None, :], mask=mk, other=0.0)
-                g_j = tl.load(r_ptr + (base + j)[:, None] * K + kk[None, :], mask=mk, other=0.0)
-                q_r = tl.load(q_ptr + tok_r[:, None] * K + kk[None, :], mask=vr & mk, other=0.0).to(tl.float32)
-                k_r = tl.load(k_ptr + tok_r[:, None] * K + kk[None, :], mask=vr & mk, other=0.0).to(tl.float32)
-                k_j = tl.load(k_ptr + tok_j[:, None] * K + kk[None, :], mask=vj & mk, other=0.0).to(tl.float32)
-                e_r = tl.exp(g_r - g_m)
-                k_m = tl.trans(k_j * tl.exp(g_m - g_j))
-                s_kk = _dot(k_r * e_r, k_m, s_kk, PAIR, DT, EMULATE)
-                s_qk = _dot(q_r * e_r, k_m, s_qk, PAIR, DT, EMULATE)
-            seg_r = tl.sum(tl.where(rows[None, :] <= r[:, None], rst[None, :], 0), 1)
-            seg_j = tl.sum(tl.where(rows[None, :] <= j[:, None], rst[None, :], 0), 1)
-            pair = (i[:, None] // s) == (i[None, :] // s)
-            keep = pair & (seg_r[:, None] == seg_j[None, :])
-            beta_r = tl.load(beta_ptr + tok_r, mask=n * C + r < T, other=0.0).to(tl.float32)
-            at = (base + r)[:, None] * C + j[None, :]
-            tl.store(M_ptr + at, tl.where(keep, s_kk * beta_r[:, None], 0.0), mask=pair)
-            tl.store(A_ptr + at, _to16(tl.where(keep, s_qk * scale, 0.0), A_ptr.dtype.element_ty, EMULATE),
-                     mask=pair)
-
 _DT16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -755,7 +641,7 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_kw": 32, "num_warps": 4, "stages": 2,
       "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 2, "solve_warps": None,
       "block_k4": 32, "block_k6": 16, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True,
-      "output_bk": None, "out": "auto", "pieces": 1, "block_k9": 64, "block_kc": 32}
+      "output_bk": None, "out": "auto", "pieces": 1}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
@@ -792,7 +678,7 @@ def _check_v3() -> None:
     unknown = sorted(set(V3) - _V3_KEYS)
     if unknown:
         raise ValueError(f"kda_triton.V3: unknown options {unknown} (the options: {sorted(_V3_KEYS)})")
-    allowed = {"strips": ("v4", "v6", "v9"), "u16": (True, False, "U"), "a16": (True, False),
+    allowed = {"strips": ("v4", "v6"), "u16": (True, False, "U"), "a16": (True, False),
                "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32"),
                "output_bk": (None, 16, 32, 64, 128, 256), "out": ("kernel", "state", "auto")}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
@@ -857,8 +743,7 @@ def _intra_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, res
     cfg = solve_config(C, K, V, ieee=ieee)
     dots = _dots(q.dtype, "pair", "solve")
     blocks = dict(C=C, BC=SUB_CHUNK, HAS_RESET=reset is not None, num_stages=cfg["num_stages"], **dots)
-    v6 = V3["strips"] in ("v6", "v9") and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
-    v9 = V3["strips"] == "v9" and not ieee
+    v6 = V3["strips"] == "v6" and not ieee   # fp32 inputs: v4's sums of exactly the gates spanned
     if v6:
         x["R"] = torch.empty(R, N, C, K, **f32)
     solve = {n: w for n, w in blocks.items() if n != "PAIR"}
@@ -871,10 +756,9 @@ def _intra_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, res
         if v6:
             bg = min(_pow2(K), 64)
             _gamma_kernel[(n1 - n0, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, n0, C=C, BK=bg, num_warps=4)
-            strips = _strips9_kernel if v9 else _strips6_kernel
-            strips[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N, n0,
-                         float(scale), BK=min(_pow2(K), options["block_k9" if v9 else "block_k6"]),
-                         num_warps=options["strip_warps"], QKD=options["strips_qkd"], **blocks)
+            _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N, n0,
+                                  float(scale), BK=min(_pow2(K), options["block_k6"]),
+                                  num_warps=options["strip_warps"], QKD=options["strips_qkd"], **blocks)
         else:
             _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N, n0,
                                   float(scale), BK=min(_pow2(K), 16 if ieee else options["block_k4"]),
@@ -883,8 +767,7 @@ def _intra_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, res
             q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"], x.get("R", x["M"]), T, H, K, V,
             N, n0, float(scale), BK=cfg["BKW"], BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1,
             LEVELS=C.bit_length() - 1, INVERSE=inverse, QKD=v6 and not options["strips_qkd"], GAMMA=v6,
-            num_warps=options["solve_warps"] or cfg["num_warps"] if not ieee else cfg["num_warps"], A_ptr=x["A"],
-            COUPLE=v9, BKC=min(_pow2(K), options["block_kc"]), PAIR=blocks["PAIR"], **solve)
+            num_warps=options["solve_warps"] or cfg["num_warps"] if not ieee else cfg["num_warps"], **solve)
     return x, launch
 
 

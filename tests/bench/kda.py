@@ -307,15 +307,7 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             "pieces-2": dict(pieces=2), "pieces-4": dict(pieces=4), "pieces-8": dict(pieces=8),
             "pieces-auto": dict(pieces="auto"), "pieces-4-kernel": dict(pieces=4, out="kernel"),
             # the 32-column pass at two stages: 147 KB of shared memory with O_n against 221, room beside it
-            "pieces-4-2s": dict(pieces=4, state_block=32, state_dots="x2n", state_warps=8, state_stages=2),
-            # v9: the strips only the diagonal blocks, the solve the blocks left of them (key pieces block_k9 and
-            # block_kc) before its doubling
-            "v9": dict(strips="v9"), "v9-8w": dict(strips="v9", solve_warps=8),
-            "v9-k32-c16": dict(strips="v9", block_k9=32, block_kc=16),
-            "v9-k16-c16": dict(strips="v9", block_k9=16, block_kc=16),
-            "v9-k32-c16-8w": dict(strips="v9", block_k9=32, block_kc=16, solve_warps=8),
-            "v9-k32-c32-8w": dict(strips="v9", block_k9=32, block_kc=32, solve_warps=8),
-            "v9-4w-strips": dict(strips="v9", strip_warps=4)}
+            "pieces-4-2s": dict(pieces=4, state_block=32, state_dots="x2n", state_warps=8, state_stages=2)}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:

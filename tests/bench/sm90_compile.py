@@ -219,17 +219,15 @@ def _kda_intra(name, sc, inverse):
     blocks = dict(C=KDA_C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
     s16 = name == "bf16" and sc == BF
     a_ptr = BF if s16 and kt.V3["a16"] else F32
-    v6 = name == "bf16" and kt.V3["strips"] in ("v6", "v9")
-    v9 = name == "bf16" and kt.V3["strips"] == "v9"
+    v6 = name == "bf16" and kt.V3["strips"] == "v6"
     qkd_strips = not v6 or kt.V3["strips_qkd"]
     if v6:
         yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
                                                         dict(T=T, H=H, K=KDA_D, N=KDA_N, N0=0), dict(C=KDA_C, BK=64),
                                                         num_warps=4)
-        bk, warps = kt.V3["block_k9" if v9 else "block_k6"], kt.V3["strip_warps"]
-        strips = kt._strips9_kernel if v9 else kt._strips6_kernel
-        yield f"kda {strips.fn.__name__} {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
-            strips, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
+        bk, warps = kt.V3["block_k6"], kt.V3["strip_warps"]
+        yield f"kda _strips6_kernel {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
+            kt._strips6_kernel, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
                                      qd_ptr=sc, kd_ptr=sc, d_ptr=F32),
             {n: scalars[n] for n in ("T", "H", "K", "N", "N0", "scale")},
             dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, **blocks), num_warps=warps, num_stages=c["num_stages"])
@@ -243,13 +241,10 @@ def _kda_intra(name, sc, inverse):
     ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc,
                 u_ptr=BF if s16 and kt.V3["u16"] is True else F32, qd_ptr=sc, kd_ptr=sc, d_ptr=F32, M_ptr=F32,
                 r_ptr=F32)
-    couple = dict(A_ptr=a_ptr) if v9 else {}
-    label = (f"kda solve {name}{', (I+L)^-1' if inverse else ''}{', couplings' if v9 else ''}, scratch {sc[1:]} "
-             f"{c}")
-    yield label, report(kt._solve3_kernel, dict(ptrs, **couple), scalars,
+    label = f"kda solve {name}{', (I+L)^-1' if inverse else ''}, scratch {sc[1:]} {c}"
+    yield label, report(kt._solve3_kernel, ptrs, scalars,
                         dict(BK=c["BKW"], BV=c["BV"], LOG_BC=4, LEVELS=6, INVERSE=inverse, QKD=not qkd_strips,
-                             GAMMA=v6, COUPLE=v9, BKC=kt.V3["block_kc"], PAIR=prec["PAIR"], **blocks),
-                        num_warps=c["num_warps"], num_stages=c["num_stages"])
+                             GAMMA=v6, **blocks), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def _kda_state(name, sc, options):
