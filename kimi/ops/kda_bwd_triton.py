@@ -53,7 +53,7 @@ from .kda_triton import (_DT16, SUB_CHUNK, V3, _check, _dots, _pow2, _state_pass
 from .registry import sm_count, tl, triton
 
 if triton is not None:
-    from .kda_triton import _block_cumsum, _chunk_rows, _dot, _operand, _state_bwd_kernel, _to16
+    from .kda_triton import _block_cumsum, _chunk_rows, _dot, _exp, _operand, _state_bwd_kernel, _to16
 
     @triton.jit
     def _add2(a0, b0, a1, b1):
@@ -205,11 +205,11 @@ if triton is not None:
             dd += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
         Mt = tl.trans(tl.load(M_ptr + out[:, None] * C + rows[None, :]))
         dRw = -_dot(Mt, dw, z, SOLVE, DT, EMULATE)
-        e_first = tl.where(first, tl.exp(tl.cumsum(g, 0)), 0.0)                   # e^{Γ_r}, first segment
-        e_last = tl.where(last, tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)   # e^{g(j, C−1]}, last one
+        e_first = tl.where(first, _exp(tl.cumsum(g, 0)), 0.0)                   # e^{Γ_r}, first segment
+        e_last = tl.where(last, _exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)   # e^{g(j, C−1]}, last one
         s_state = tl.cumsum(beta[:, None] * kt * e_first * dRw + scale * q * e_first * dqd, 0, reverse=True)
         _, p_kd = tl.associative_scan((dkd * kt * e_last, z), 0, _excl_combine1)
-        dn = tl.where(n_seg == 0, tl.exp(tl.sum(g, 0)), 0.0)
+        dn = tl.where(n_seg == 0, _exp(tl.sum(g, 0)), 0.0)
         at = tok[:, None] * K + kk[None, :]
         tl.store(dqs_ptr + at, scale * e_first * dqd, mask=m)
         tl.store(dks_ptr + at, beta[:, None] * e_first * dRw + e_last * dkd, mask=m)
@@ -264,8 +264,8 @@ if triton is not None:
         between = (ib4 < ic4) & (ic4 < ia4)                                       # blocks strictly between b, a
         span = tl.sum(tl.where(between, bsum[None, None, :, :], 0.0), 2) + gfirst[:, None, :]   # g(m_b, n_a]
         if WIDE:
-            e_span = tl.where(ia[None, :, None] < ia[:, None, None], tl.exp(span), 0.0)             # [a, b, BK]
-            ef = tl.exp(f)
+            e_span = tl.where(ia[None, :, None] < ia[:, None, None], _exp(span), 0.0)             # [a, b, BK]
+            ef = _exp(f)
             qf = _operand(q * ef, PAIR, DT, EMULATE)
             bf = _operand(beta[:, None] * kt * ef, PAIR, DT, EMULATE)
             j3 = rows[None, :]
@@ -276,8 +276,8 @@ if triton is not None:
             a3 = ia[None, :, None]
             e_jab = tl.reshape(tl.broadcast_to(tl.permute(e_span, (1, 0, 2))[:, None, :, :], [NB, BC, NB, BK]),
                                [C, NB, BK])
-            E3 = tl.where(b3 < a3, e_jab * tl.exp(tail)[:, None, :],
-                          tl.where(b3 == a3, tl.exp(-f)[:, None, :], 0.0))
+            E3 = tl.where(b3 < a3, e_jab * _exp(tail)[:, None, :],
+                          tl.where(b3 == a3, _exp(-f)[:, None, :], 0.0))
             K3 = _operand(kt[:, None, :] * E3, PAIR, DT, EMULATE)
             Kw = tl.reshape(K3, [C, NB * BK])
             Qw = tl.reshape(tl.where(b3 == a3, qf[:, None, :], 0.0), [C, NB * BK])
@@ -291,13 +291,13 @@ if triton is not None:
             dkk = tl.sum(E3 * Y3, 1)
             dgam = qf * xq + bf * xl - tl.sum(K3 * Y3, 1)
         else:
-            e_span = tl.where(ia[None, :, None] < ia[:, None, None], tl.exp(span), 0.0)             # [a, b, BK]
+            e_span = tl.where(ia[None, :, None] < ia[:, None, None], _exp(span), 0.0)             # [a, b, BK]
             e_span = tl.reshape(tl.broadcast_to(e_span[:, :, None, :], [NB, NB, BC, BK]), [NB, C, BK])
-            ef = tl.exp(f)
+            ef = _exp(f)
             a3 = ia[:, None, None]
             b3 = blk[None, :, :]
-            E3 = tl.where(b3 < a3, e_span * tl.exp(tail)[None, :, :],
-                          tl.where(b3 == a3, tl.exp(-f)[None, :, :], 0.0))            # [anchor a, key j, BK]
+            E3 = tl.where(b3 < a3, e_span * _exp(tail)[None, :, :],
+                          tl.where(b3 == a3, _exp(-f)[None, :, :], 0.0))            # [anchor a, key j, BK]
             K3 = _operand(kt[None, :, :] * E3, PAIR, DT, EMULATE)
             qf = _operand(q * ef, PAIR, DT, EMULATE)
             bf = _operand(beta[:, None] * kt * ef, PAIR, DT, EMULATE)
@@ -357,8 +357,8 @@ if triton is not None:
             dRw = -_dot(Mt, dw, z, SOLVE, DT, EMULATE)
 
             dAd = tl.load(dAd_ptr + out)[:, None]
-            e_first = tl.where(first, tl.exp(tl.cumsum(g, 0)), 0.0)                   # e^{Γ_r}, first segment
-            e_last = tl.where(last, tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)   # e^{g(j, C−1]}, last one
+            e_first = tl.where(first, _exp(tl.cumsum(g, 0)), 0.0)                   # e^{Γ_r}, first segment
+            e_last = tl.where(last, _exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)   # e^{g(j, C−1]}, last one
             dkq = ef * xl
             dq = scale * e_first * dqd + ef * xq + dAd * kt
             dk = beta[:, None] * (e_first * dRw + dkq) + e_last * dkd + dkk + dAd * q
@@ -369,7 +369,7 @@ if triton is not None:
             s_pair, s_state = tl.associative_scan(
                 (dgam, beta[:, None] * kt * e_first * dRw + scale * q * e_first * dqd), 0, _add2, reverse=True)
             _, p_pair, _, p_kd = tl.associative_scan((dgam, z, dkd * kt * e_last, z), 0, _excl_combine2)
-            dn = tl.where(n_seg == 0, tl.exp(tl.sum(g, 0)), 0.0)
+            dn = tl.where(n_seg == 0, _exp(tl.sum(g, 0)), 0.0)
             dg = tl.where(late, s_pair, -p_pair) + s_state + p_kd + (dd * dn)[None, :]
         tl.store(dq_ptr + tok[:, None] * K + kk[None, :], _to16(dq, dq_ptr.dtype.element_ty, EMULATE), mask=m)
         tl.store(dk_ptr + tok[:, None] * K + kk[None, :], _to16(dk, dk_ptr.dtype.element_ty, EMULATE), mask=m)

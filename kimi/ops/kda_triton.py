@@ -26,10 +26,10 @@ The solve (`_solve3_kernel`, one program per chunk and sequence × head) reads t
 doubling: with Mi inverting the diagonal blocks of size s and E the coupling of each 2s-block's halves,
 (D + E)⁻¹ = Mi − Mi E Mi exactly (block forward substitution), log2(C / BC) levels of two [C, C] dots (two at
 C = 64); then w = (I + L)⁻¹ R_w and u = (I + L)⁻¹ R_u as dots with it. For 16-bit inputs (`V3["strips"] = "v6"`)
-`_gamma_kernel` first stores each chunk's prefix sums Γ and `_strips6_kernel` takes every factor from them,
-e^{Γ_r − Γ_{n_a}} and e^{Γ_{n_a} − Γ_j}, in one [BC, C] dot per key piece, and forms q̃, k̃ and d from the rows it
-holds: no scans, at the price of differences of prefix sums (off by an ulp of |Γ| ≤ 5·C, far below the operands'
-16-bit rounding). fp32 inputs (and `V3["strips"] = "v4"`) run `_strips4_kernel`, which meets the keys one block b
+`_gamma_kernel` first stores each chunk's prefix sums Γ (times log2 e, so that every factor is one ex2) and
+`_strips6_kernel` takes every factor from them, e^{Γ_r − Γ_{n_a}} and e^{Γ_{n_a} − Γ_j}, in one [BC, C] dot per key
+piece, and forms q̃, k̃ and d from the rows it holds: no scans, at the price of differences of prefix sums (off by
+an ulp of |Γ·log2 e| ≤ 7.3·C, far below the operands' 16-bit rounding). fp32 inputs (and `V3["strips"] = "v4"`) run `_strips4_kernel`, which meets the keys one block b
 of BC rows at a time (a [BC, BC] dot per key piece, only 16-row scans: the keys carry e^{g(j, m_b]}, summed within
 b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the whole blocks between), so that every exponent is a sum over
 exactly the gates it spans (gates are ≤ 0: these sums do not cancel), and also writes q̃, k̃ and d.
@@ -141,6 +141,13 @@ if triton is not None:
         else:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         return acc
+
+    @triton.jit
+    def _exp(x):
+        """e^x as 2^(x·log2 e): the arithmetic of `tl.exp` (the same multiply, then ex2.approx) without its guard for
+        results below 2^−126 (four instructions of its five on sm_90: a compare, two predicated multiplies, the
+        ex2), which flush to zero here, far below any sum they enter."""
+        return tl.math.exp2(x * 1.4426950408889634)
 
     @triton.jit
     def _chunk_rows(reset_ptr, n, bh, T, H, C: tl.constexpr, HAS_RESET: tl.constexpr):
@@ -295,8 +302,8 @@ if triton is not None:
                         EMULATE: tl.constexpr):
         """q̃ = s q e^{Γ_r} on the chunk's first segment and k̃ = k e^{Γ_{C−1} − Γ_j} on its last (a difference of
         prefix sums: 16-bit inputs), stored at scratch rows `rows` in their pointers' dtype."""
-        qd = tl.where(first, scale * q * tl.exp(gam), 0.0)
-        kd = tl.where(last, kt * tl.exp(g_end[None, :] - gam), 0.0)
+        qd = tl.where(first, scale * q * tl.math.exp2(gam), 0.0)
+        kd = tl.where(last, kt * tl.math.exp2(g_end[None, :] - gam), 0.0)
         tl.store(qd_ptr + rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
         tl.store(kd_ptr + rows[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
 
@@ -335,7 +342,10 @@ if triton is not None:
             else:
                 g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
                 gam = tl.cumsum(g, 0)
-            eg = tl.exp(gam)                                                      # e^{Γ_r}
+            if GAMMA:
+                eg = tl.math.exp2(gam)                                            # e^{Γ_r}
+            else:
+                eg = _exp(gam)
             rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
             if QKD:
                 q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
@@ -343,13 +353,17 @@ if triton is not None:
                     g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
                     _qkd_from_gamma(q, kt, gam, g_end, first, last, scale, out, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
                 else:   # k̃'s exponent a sum of exactly the gates after j
-                    kd = tl.where(last, kt * tl.exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)
+                    kd = tl.where(last, kt * _exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)
                     g_end = tl.sum(g, 0)
                     tl.store(qd_ptr + out[:, None] * K + kk[None, :],
                              _to16(tl.where(first, scale * q * eg, 0.0), qd_ptr.dtype.element_ty, EMULATE), mask=mk)
                     tl.store(kd_ptr + out[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE),
                              mask=mk)
-                tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
+                if GAMMA:
+                    d_n = tl.math.exp2(g_end)
+                else:
+                    d_n = _exp(g_end)
+                tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, d_n, 0.0), mask=kk < K)
             w = _dot(Mi, rhs, tl.zeros([C, BK], dtype=tl.float32), SOLVE, DT, EMULATE)
             tl.store(w_ptr + out[:, None] * K + kk[None, :], _to16(w, w_ptr.dtype.element_ty, EMULATE), mask=mk)
         for v0 in range(0, V, BV):
@@ -419,20 +433,20 @@ if triton is not None:
             q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             f = tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)             # g(n_a, r]
-            e = tl.exp(f)
-            kb = k_a * tl.exp(-f)
+            e = _exp(f)
+            kb = k_a * _exp(-f)
             d_qk = _dot(q_a * e, tl.trans(kb), d_qk, PAIR, DT, EMULATE)
             d_kk = _dot(k_a * e, tl.trans(kb), d_kk, PAIR, DT, EMULATE)
             gam = _gate_sum(g_ptr, seq, h, n, 0, a, kk, mk, T, H, K, C, BC, BK) + tl.sum(
                 tl.where(lr[:, None] == 0, g_a, 0.0), 0)                          # Γ_{n_a}
             after = _gate_sum(g_ptr, seq, h, n, a + 1, NB, kk, mk, T, H, K, C, BC, BK)
-            qd = tl.where((seg_a == 0)[:, None], scale * q_a * tl.exp(gam[None, :] + f), 0.0)
+            qd = tl.where((seg_a == 0)[:, None], scale * q_a * _exp(gam[None, :] + f), 0.0)
             kd = tl.where((seg_a == n_seg)[:, None],
-                          k_a * tl.exp(tl.cumsum(g_a, 0, reverse=True) - g_a + after[None, :]), 0.0)
+                          k_a * _exp(tl.cumsum(g_a, 0, reverse=True) - g_a + after[None, :]), 0.0)
             tl.store(qd_ptr + a_rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
             tl.store(kd_ptr + a_rows[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE), mask=mk)
             if a == NB - 1:
-                dn = tl.where(n_seg == 0, tl.exp(gam + tl.sum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)), 0.0)
+                dn = tl.where(n_seg == 0, _exp(gam + tl.sum(tl.where(lr[:, None] > 0, g_a, 0.0), 0)), 0.0)
                 tl.store(d_ptr + (bh * N + n) * K + kk, dn, mask=kk < K)
         same = seg_a[:, None] == seg_a[None, :]
         a_qk = tl.where(same & (lr[None, :] <= lr[:, None]), d_qk * scale, 0.0)
@@ -460,10 +474,10 @@ if triton is not None:
                 k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
                 g_b = tl.load(g_ptr + tokb[:, None] * K + kk[None, :], mask=vb & mk, other=0.0).to(tl.float32)
                 k_b = tl.load(k_ptr + tokb[:, None] * K + kk[None, :], mask=vb & mk, other=0.0).to(tl.float32)
-                e = tl.exp(tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0))    # e^{g(n_a, r]}
+                e = _exp(tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0))    # e^{g(n_a, r]}
                 gap = _gate_sum(g_ptr, seq, h, n, b + 1, a, kk, mk, T, H, K, C, BC, BK) + tl.sum(
                     tl.where(lr[:, None] == 0, g_a, 0.0), 0)                      # g(m_b, n_a]
-                kp = k_b * tl.exp(tl.cumsum(g_b, 0, reverse=True) - g_b + gap[None, :])   # e^{g(j, n_a]} ≤ 1
+                kp = k_b * _exp(tl.cumsum(g_b, 0, reverse=True) - g_b + gap[None, :])   # e^{g(j, n_a]} ≤ 1
                 s_qk = _dot(q_a * e, tl.trans(kp), s_qk, PAIR, DT, EMULATE)
                 s_kk = _dot(k_a * e, tl.trans(kp), s_kk, PAIR, DT, EMULATE)
             seg_b = tl.sum(tl.where(rows[None, :] <= rb[:, None], rst[None, :], 0), 1)
@@ -476,8 +490,8 @@ if triton is not None:
 
     @triton.jit
     def _gamma_kernel(g_ptr, r_ptr, T, H, K, N, N0, C: tl.constexpr, BK: tl.constexpr):
-        # program (chunk n = N0 + its first index, row bh, key piece): Γ_r = Σ_{u ≤ r} g_u of the chunk's rows into
-        # r [B·H, N, C, K] fp32
+        # program (chunk n = N0 + its first index, row bh, key piece): Γ_r = Σ_{u ≤ r} g_u of the chunk's rows, in
+        # units of ln 2 (Γ_r · log2 e: its readers' factors are then bare ex2), into r [B·H, N, C, K] fp32
         n = N0 + tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         t = n * C + tl.arange(0, C)
@@ -485,7 +499,8 @@ if triton is not None:
         m = (t < T)[:, None] & (kk < K)[None, :]
         g = tl.load(g_ptr + (((bh // H) * T + t) * H + bh % H)[:, None] * K + kk[None, :], mask=m, other=0.0)
         out = (bh * N + n) * C + tl.arange(0, C)
-        tl.store(r_ptr + out[:, None] * K + kk[None, :], tl.cumsum(g.to(tl.float32), 0), mask=(kk < K)[None, :])
+        tl.store(r_ptr + out[:, None] * K + kk[None, :], tl.cumsum(g.to(tl.float32), 0) * 1.4426950408889634,
+                 mask=(kk < K)[None, :])
 
     @triton.jit
     def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, T, H, K, N,
@@ -524,9 +539,9 @@ if triton is not None:
             gam = tl.load(r_ptr + c_rows[:, None] * K + kk[None, :], mask=upto & mk, other=0.0)
             kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=upto & mk, other=0.0).to(tl.float32)
             g_na = tl.load(r_ptr + ((bh * N + n) * C + a * BC) * K + kk, mask=kk < K, other=0.0)
-            k_an = tl.where(upto, kt * tl.exp(tl.where(upto, g_na[None, :] - gam, 0.0)), 0.0)
+            k_an = kt * tl.math.exp2(g_na[None, :] - gam)   # rows past the strip: k = 0, Γ = 0 (a factor ≤ 1)
             gam_a = tl.load(r_ptr + a_rows[:, None] * K + kk[None, :], mask=mk, other=0.0)
-            e = tl.exp(gam_a - g_na[None, :])
+            e = tl.math.exp2(gam_a - g_na[None, :])
             q_a = tl.load(q_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
             s_kk = _dot(k_a * e, tl.trans(k_an), s_kk, PAIR, DT, EMULATE)
@@ -536,7 +551,8 @@ if triton is not None:
                 _qkd_from_gamma(q_a, k_a, gam_a, g_end, (seg_a == 0)[:, None], (seg_a == n_seg)[:, None], scale,
                                 a_rows, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
                 if a == NB - 1:
-                    tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.exp(g_end), 0.0), mask=kk < K)
+                    tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.math.exp2(g_end), 0.0),
+                             mask=kk < K)
         beta_a = tl.load(beta_ptr + toka, mask=(n * C + ra) < T, other=0.0).to(tl.float32)
         same = seg_a[:, None] == seg[None, :]
         a_qk = tl.where(same & (rows[None, :] <= ra[:, None]), s_qk * scale, 0.0)
