@@ -656,7 +656,7 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_kw": 32, "num_warps": 4, "stages": 2,
       "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 2, "solve_warps": None,
-      "block_k4": 32, "block_k6": 16, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True,
+      "block_k4": 32, "block_k6": 32, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True,
       "output_bk": None, "out": "auto", "pieces": 1}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");

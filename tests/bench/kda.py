@@ -251,7 +251,8 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
             print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} |", flush=True)
 
 
-VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(block_kw=16),
+VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "three stages": dict(stages=3),
+            "w pieces of 16": dict(block_kw=16), "w pieces of 64": dict(block_kw=64),
             "state pass two stages": dict(state_block=64, state_stages=2), "32 state columns": dict(state_block=32),
             "fp32 scratch and S_n": dict(scratch="fp32", states="fp32"),
             # the state pass: dots ("x2": S_n and U_n as two bf16 parts; "16": rounded to bf16), columns, warps, stages
@@ -298,8 +299,8 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "w pieces of 16": dict(
             # round 5: fp32 u, U_n and Aqk, q̃ / k̃ / d in the solve (the defaults before it); each change alone
             "round4": dict(u16=False, a16=False, strips_qkd=False), "u-and-U-bf16": dict(u16=True),
             "fp32-U": dict(u16=False), "fp32-Aqk": dict(a16=False), "qkd-in-solve": dict(strips_qkd=False),
-            # the v6 strips' key pieces (16 by default since KDA round 6)
-            "bk32": dict(block_k6=32),
+            # the v6 strips' key pieces (16 from KDA round 6, 32 again since round 11's ex2 exponentials)
+            "bk16": dict(block_k6=16),
             # where O_n is formed: the output kernel (the default before KDA round 10) or the state pass at every
             # shape (the default "auto": where the pass is one program an SM in at most four column blocks)
             "out-kernel": dict(out="kernel"), "out-state": dict(out="state"),
