@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kda import inputs, parse_v3  # noqa: E402
 from kernel_profile import profile_kernels  # noqa: E402
 
-from kimi.ops import kda_bwd_triton as kb  # noqa: E402
+import kimi  # noqa: E402,F401  (registers the kimi:: ops)
+from kimi.ops import IMPLEMENTATIONS  # noqa: E402
 from kimi.ops import kda_triton as kt  # noqa: E402
 
 
@@ -48,9 +49,12 @@ def main():
     def ours_fwd():
         kt.kda_chunk_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], scale=scale)
 
+    core = IMPLEMENTATIONS["kda"]["triton"]   # the op Backend(kda="triton") runs: its backward from the forward's
+    # scratch (kda_bwd_triton.SAVE), as tests/bench/kda.py times it
+
     def ours_fwd_bwd():
-        ours_fwd()
-        kb.kda_chunk_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"], None, do, None, scale=scale)
+        q, k, v, g, beta, h0 = (x[n].detach().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0"))
+        core(q, k, v, g, beta, h0, None, scale=scale)[0].backward(do)
 
     tag = f", V3 {' '.join(a.v3)}" if a.v3 else ""
     runs = [(f"ours{tag}, forward", ours_fwd)]
