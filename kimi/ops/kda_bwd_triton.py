@@ -205,8 +205,8 @@ if triton is not None:
             dd += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
         Mt = tl.trans(tl.load(M_ptr + out[:, None] * C + rows[None, :]))
         dRw = -_dot(Mt, dw, z, SOLVE, DT, EMULATE)
-        e_first = tl.where(first, _exp(tl.cumsum(g, 0)), 0.0)                   # e^{Γ_r}, first segment
-        e_last = tl.where(last, _exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)   # e^{g(j, C−1]}, last one
+        e_first = tl.where(first, _exp(tl.cumsum(g, 0)), 0.0)                     # e^{Γ_r}, first segment
+        e_last = tl.where(last, _exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)     # e^{g(j, C−1]}, last one
         s_state = tl.cumsum(beta[:, None] * kt * e_first * dRw + scale * q * e_first * dqd, 0, reverse=True)
         _, p_kd = tl.associative_scan((dkd * kt * e_last, z), 0, _excl_combine1)
         dn = tl.where(n_seg == 0, _exp(tl.sum(g, 0)), 0.0)
@@ -264,7 +264,7 @@ if triton is not None:
         between = (ib4 < ic4) & (ic4 < ia4)                                       # blocks strictly between b, a
         span = tl.sum(tl.where(between, bsum[None, None, :, :], 0.0), 2) + gfirst[:, None, :]   # g(m_b, n_a]
         if WIDE:
-            e_span = tl.where(ia[None, :, None] < ia[:, None, None], _exp(span), 0.0)             # [a, b, BK]
+            e_span = tl.where(ia[None, :, None] < ia[:, None, None], _exp(span), 0.0)               # [a, b, BK]
             ef = _exp(f)
             qf = _operand(q * ef, PAIR, DT, EMULATE)
             bf = _operand(beta[:, None] * kt * ef, PAIR, DT, EMULATE)
@@ -291,13 +291,13 @@ if triton is not None:
             dkk = tl.sum(E3 * Y3, 1)
             dgam = qf * xq + bf * xl - tl.sum(K3 * Y3, 1)
         else:
-            e_span = tl.where(ia[None, :, None] < ia[:, None, None], _exp(span), 0.0)             # [a, b, BK]
+            e_span = tl.where(ia[None, :, None] < ia[:, None, None], _exp(span), 0.0)               # [a, b, BK]
             e_span = tl.reshape(tl.broadcast_to(e_span[:, :, None, :], [NB, NB, BC, BK]), [NB, C, BK])
             ef = _exp(f)
             a3 = ia[:, None, None]
             b3 = blk[None, :, :]
             E3 = tl.where(b3 < a3, e_span * _exp(tail)[None, :, :],
-                          tl.where(b3 == a3, _exp(-f)[None, :, :], 0.0))            # [anchor a, key j, BK]
+                          tl.where(b3 == a3, _exp(-f)[None, :, :], 0.0))              # [anchor a, key j, BK]
             K3 = _operand(kt[None, :, :] * E3, PAIR, DT, EMULATE)
             qf = _operand(q * ef, PAIR, DT, EMULATE)
             bf = _operand(beta[:, None] * kt * ef, PAIR, DT, EMULATE)
@@ -357,8 +357,8 @@ if triton is not None:
             dRw = -_dot(Mt, dw, z, SOLVE, DT, EMULATE)
 
             dAd = tl.load(dAd_ptr + out)[:, None]
-            e_first = tl.where(first, _exp(tl.cumsum(g, 0)), 0.0)                   # e^{Γ_r}, first segment
-            e_last = tl.where(last, _exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)   # e^{g(j, C−1]}, last one
+            e_first = tl.where(first, _exp(tl.cumsum(g, 0)), 0.0)                     # e^{Γ_r}, first segment
+            e_last = tl.where(last, _exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)     # e^{g(j, C−1]}, last one
             dkq = ef * xl
             dq = scale * e_first * dqd + ef * xq + dAd * kt
             dk = beta[:, None] * (e_first * dRw + dkq) + e_last * dkd + dkk + dAd * q

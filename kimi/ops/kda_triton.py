@@ -29,10 +29,11 @@ C = 64); then w = (I + L)⁻¹ R_w and u = (I + L)⁻¹ R_u as dots with it. For
 `_gamma_kernel` first stores each chunk's prefix sums Γ (times log2 e, so that every factor is one ex2) and
 `_strips6_kernel` takes every factor from them, e^{Γ_r − Γ_{n_a}} and e^{Γ_{n_a} − Γ_j}, in one [BC, C] dot per key
 piece, and forms q̃, k̃ and d from the rows it holds: no scans, at the price of differences of prefix sums (off by
-an ulp of |Γ·log2 e| ≤ 7.3·C, far below the operands' 16-bit rounding). fp32 inputs (and `V3["strips"] = "v4"`) run `_strips4_kernel`, which meets the keys one block b
-of BC rows at a time (a [BC, BC] dot per key piece, only 16-row scans: the keys carry e^{g(j, m_b]}, summed within
-b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the whole blocks between), so that every exponent is a sum over
-exactly the gates it spans (gates are ≤ 0: these sums do not cancel), and also writes q̃, k̃ and d.
+an ulp of |Γ·log2 e| ≤ 7.3·C, far below the operands' 16-bit rounding). fp32 inputs (and `V3["strips"] = "v4"`)
+run `_strips4_kernel`, which meets the keys one block b of BC rows at a time (a [BC, BC] dot per key piece, only
+16-row scans: the keys carry e^{g(j, m_b]}, summed within b, times e^{g(m_b, n_a]}, g_{n_a} plus the gates of the
+whole blocks between), so that every exponent is a sum over exactly the gates it spans (gates are ≤ 0: these sums
+do not cancel), and also writes q̃, k̃ and d.
 The sequential pass, `_state_kernel` (one program per sequence × head and block of state columns), carries its
 block of S through the chunks in fp32 registers, storing S_n and U_n, and `_output_kernel`, one program per (chunk,
 sequence × head, column block), forms O_n = q̃_n S_n + Aqk_n U_n from them in parallel. Or the pass forms O_n
@@ -145,8 +146,8 @@ if triton is not None:
     @triton.jit
     def _exp(x):
         """e^x as 2^(x·log2 e): the arithmetic of `tl.exp` (the same multiply, then ex2.approx) without its guard for
-        results below 2^−126 (four instructions of its five on sm_90: a compare, two predicated multiplies, the
-        ex2), which flush to zero here, far below any sum they enter."""
+        results below 2^−126 (a compare and two predicated multiplies around the ex2: five sm_90 instructions become
+        two), which flush to zero here, far below any sum they enter."""
         return tl.math.exp2(x * 1.4426950408889634)
 
     @triton.jit
@@ -301,7 +302,8 @@ if triton is not None:
     def _qkd_from_gamma(q, kt, gam, g_end, first, last, scale, rows, kk, mk, qd_ptr, kd_ptr, K,
                         EMULATE: tl.constexpr):
         """q̃ = s q e^{Γ_r} on the chunk's first segment and k̃ = k e^{Γ_{C−1} − Γ_j} on its last (a difference of
-        prefix sums: 16-bit inputs), stored at scratch rows `rows` in their pointers' dtype."""
+        prefix sums: 16-bit inputs; `gam`, `g_end` Γ · log2 e as `_gamma_kernel` stores it), stored at scratch rows
+        `rows` in their pointers' dtype."""
         qd = tl.where(first, scale * q * tl.math.exp2(gam), 0.0)
         kd = tl.where(last, kt * tl.math.exp2(g_end[None, :] - gam), 0.0)
         tl.store(qd_ptr + rows[:, None] * K + kk[None, :], _to16(qd, qd_ptr.dtype.element_ty, EMULATE), mask=mk)
@@ -315,8 +317,8 @@ if triton is not None:
         """Chunk n's (I + L)⁻¹ from the strips' M (β·L with (I + L_aa)⁻¹ on the diagonal blocks), by the doubling of
         the module docstring from level LOG_BC = log2(BC) on, each level reading its coupling afresh; written over M
         if INVERSE. Then w and u as dots with it, and q̃, k̃, d if QKD (else the strips wrote them). GAMMA: r holds
-        Γ (`_gamma_kernel`; 16-bit inputs), and k̃ takes e^{Γ_{C−1} − Γ_j}; else Γ and the suffix sums are scans of
-        g here (sums of exactly the gates spanned)."""
+        Γ · log2 e (`_gamma_kernel`; 16-bit inputs; its factors then bare ex2), and k̃ takes e^{Γ_{C−1} − Γ_j}; else
+        Γ and the suffix sums are scans of g here (sums of exactly the gates spanned)."""
         rows = tl.arange(0, C)
         out = (bh * N + n) * C + rows
         r2 = rows[:, None]
@@ -474,10 +476,10 @@ if triton is not None:
                 k_a = tl.load(k_ptr + toka[:, None] * K + kk[None, :], mask=va & mk, other=0.0).to(tl.float32)
                 g_b = tl.load(g_ptr + tokb[:, None] * K + kk[None, :], mask=vb & mk, other=0.0).to(tl.float32)
                 k_b = tl.load(k_ptr + tokb[:, None] * K + kk[None, :], mask=vb & mk, other=0.0).to(tl.float32)
-                e = _exp(tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0))    # e^{g(n_a, r]}
+                e = _exp(tl.cumsum(tl.where(lr[:, None] > 0, g_a, 0.0), 0))      # e^{g(n_a, r]}
                 gap = _gate_sum(g_ptr, seq, h, n, b + 1, a, kk, mk, T, H, K, C, BC, BK) + tl.sum(
                     tl.where(lr[:, None] == 0, g_a, 0.0), 0)                      # g(m_b, n_a]
-                kp = k_b * _exp(tl.cumsum(g_b, 0, reverse=True) - g_b + gap[None, :])   # e^{g(j, n_a]} ≤ 1
+                kp = k_b * _exp(tl.cumsum(g_b, 0, reverse=True) - g_b + gap[None, :])     # e^{g(j, n_a]} ≤ 1
                 s_qk = _dot(q_a * e, tl.trans(kp), s_qk, PAIR, DT, EMULATE)
                 s_kk = _dot(k_a * e, tl.trans(kp), s_kk, PAIR, DT, EMULATE)
             seg_b = tl.sum(tl.where(rows[None, :] <= rb[:, None], rst[None, :], 0), 1)
@@ -509,10 +511,10 @@ if triton is not None:
                         QKD: tl.constexpr = False):
         # program (i · NB + a, row bh) for chunk n = N0 + i and query block a, `V3["strips"] = "v6"` (16-bit
         # inputs): block a's rows of Aqk and β·L against every key of the chunk, one [BC, C] dot per key piece (its
-        # diagonal block then inverted), the anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r)
-        # instead of scans: queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j} (≤ 1 before n_a, ≤ e^{75} in
-        # block a). A difference of two prefix sums is off by an ulp of Γ (|Γ| ≤ 5·C): far below the operands'
-        # 16-bit rounding.
+        # diagonal block then inverted), the anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r,
+        # times log2 e: each factor one ex2) instead of scans: queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j}
+        # (≤ 1 before n_a, ≤ e^{75} in block a). A difference of two prefix sums is off by an ulp of Γ · log2 e
+        # (≤ 7.3·C): far below the operands' 16-bit rounding.
         # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
         # only w and u).
         NB: tl.constexpr = C // BC
