@@ -137,11 +137,12 @@ def _saved_grads(x, reset, do, dsN, scale, **kw):
 
 def test_x2n_chain_equals_x2(monkeypatch):
     """"x2n" (the two bf16 parts of dS / dU side by side in one dot) forms the same products as "x2" (two dots),
-    which the interpreter multiplies exactly, so the gradients and the forward's output and state agree in the same
-    16-column blocks to fp32 summation order (numpy's matmul sums a [C, 2·16] product in another order than two
+    which the interpreter multiplies exactly, so in the same 16-column blocks the fp32 results (dg, dβ, dh0, the
+    final state) agree to fp32 summation order (numpy's matmul sums a [C, 2·16] product in another order than two
     [C, 16] ones: 1e-8 apart here), where a dropped or misplaced low part moves them by its own size, ~2^-9 of
-    the state. V = 20 leaves the blocks partly masked. (The 8-column blocks the defaults take at few heads run in
-    every bf16 test here against float64.)"""
+    the state; the bf16 ones (dq, dk, dv, o) to an ulp where that difference tips a rounding. V = 20 leaves the
+    blocks partly masked. (The 8-column blocks the defaults take at few heads run in every bf16 test here against
+    float64.)"""
     x = _inputs(1, 150, 1, 32, 20, "bounded", torch.bfloat16)
     reset = resets(1, 150, [[70]])
     do, dsN = _bwd_inputs(x, True)
@@ -155,7 +156,8 @@ def test_x2n_chain_equals_x2(monkeypatch):
             mp.setitem(kb.REVERSE, "num_stages", 2)
             grads = _saved_grads(x, reset, do, dsN, 0.25)
             out[dots] = [*grads, *_call(kt.kda_chunk_fwd_triton, x, reset, scale=0.25)]
-    assert all(rel_err(a.float(), b.float()) < 1e-6 for a, b in zip(out["x2n"], out["x2"]))
+    for a, b in zip(out["x2n"], out["x2"]):
+        assert rel_err(a.float(), b.float()) < (1e-6 if a.dtype == torch.float32 else 1e-3), (a.dtype, a.shape)
 
 
 def test_backward_in_pieces(monkeypatch):

@@ -339,7 +339,7 @@ if triton is not None:
             mk = kk[None, :] < K
             m = valid[:, None] & mk
             kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-            if GAMMA:   # Γ from `_gamma_kernel` in r
+            if GAMMA:   # Γ · log2 e from `_gamma_kernel` in r
                 gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
             else:
                 g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)

@@ -210,8 +210,8 @@ def _kda_prec(name):
 
 def _kda_intra(name, sc, inverse):
     """The intra-chunk launches as `kt.kda_intra_triton` runs them for `name` inputs ("bf16": `_gamma_kernel`,
-    `_strips6_kernel`, the solve reading Γ; "fp32": `_strips4_kernel`, the solve) with scratch `sc`, (I+L)^-1 stored
-    or not."""
+    `_strips6_kernel`, the solve reading Γ·log2 e; "fp32": `_strips4_kernel`, the solve) with scratch `sc`,
+    (I+L)^-1 stored or not."""
     x = BF if name == "bf16" else F32
     prec, common = _kda_prec(name)
     c = kt.solve_config(KDA_C, KDA_D, KDA_D, ieee=name == "fp32")
@@ -324,8 +324,8 @@ def kda_bwd():
 def kda_fwd_v4():
     """The forward's candidate launches (`kt.V3` options) at K = V = 128, C = 64: `_strips4_kernel` ("strips": "v4",
     bf16 and fp32), the solve after it (no q~ / k~ / d) by w pieces and warps, "v6" (`_gamma_kernel`,
-    `_strips6_kernel` by key pieces, with q~ / k~ / d or not, the solve reading Γ), the state pass with "x2" / "16"
-    dots by columns, warps and stages."""
+    `_strips6_kernel` by key pieces, with q~ / k~ / d or not, the solve reading Γ·log2 e), the state pass with
+    "x2" / "16" dots by columns, warps and stages."""
     N, C, KD = KDA_N, KDA_C, KDA_D
     scalars = dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, scale=0.1)
     for name in ("bf16", "fp32"):
