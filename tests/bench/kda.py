@@ -5,6 +5,8 @@
     PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --variants defaults v4
     PYTHONPATH=. python tests/bench/kda.py --no-decode --no-fla-chunk --only-variants --variants defaults v6-4w --rounds 5
     PYTHONPATH=. python tests/bench/kda.py --shapes 32768x32 --no-decode --fla-safe-only --v3 out=kernel
+    PYTHONPATH=. python tests/bench/kda.py --shapes 32768x32 --no-decode --no-fla-chunk --only-variants \
+        --variants defaults --bwd-variants defaults reverse-x2 pairwise-batched --rounds 5
 
 fla autotunes its kernels at every new shape (minutes of device time per shape on the first call), hence one shape
 by default.
@@ -15,7 +17,8 @@ returned. Rows: fla's `chunk_kda` with its defaults and with `safe_gate=True, lo
 the project's `Backend(kda="triton")` (the op `kimi::kda_triton`: forward, its three kernels timed apart, and
 forward+backward), the forward with each of `VARIANTS`' options of kda_triton.V3 (`--variants` picking some;
 `--only-variants`: only those; `--rounds`: also their forwards in interleaved rounds, the fair comparison on a GPU
-whose timings drift; `--v3`, `--bwd-pieces`: options over the defaults for every row of ours) and, with
+whose timings drift; `--bwd-variants`: the op's forward+backward under `BWD_VARIANTS`' kda_bwd_triton options, in
+interleaved rounds too; `--v3`, `--bwd-pieces`: options over the defaults for every row of ours) and, with
 `--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
 
 Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's `fused_recurrent_kda` (state in,
@@ -420,6 +423,66 @@ def interleaved_rows(x: dict, scale: float, variants: list, rounds: int, iters: 
         print(f"| {v} | {med[v]:.3f} | {min(times[v]):.3f}-{max(times[v]):.3f} | {med[v] / first:.3f} |", flush=True)
 
 
+BWD_VARIANTS = {"defaults": {},
+                # the reverse state pass (the op's: the own kernel, from the forward's scratch): its chain's dots as
+                # two dots of bf16 parts rather than "auto"'s choice, or dS_{n+1} stored in fp32 rather than bf16
+                "reverse-x2": {"REVERSE": {"dots": "x2"}}, "reverse-dS-fp32": {"REVERSE": {"dstates": "fp32"}},
+                # the pairwise sums of _bwd_dqkg_kernel: anchors side by side in the columns (default) or batched
+                "pairwise-batched": {"PAIRWISE": "batched"},
+                # the terms through the state: in their own launch (default) by 32 key channels at 4 warps, or
+                # inside _bwd_dqkg_kernel
+                "state-terms-bk32-4w": {"STATE_TERMS": {"block_k": 32, "num_warps": 4}},
+                "state-terms-in-dqkg": {"STATE_TERMS": {"split": False}}}
+"""Options of kda_bwd_triton (module attributes; a dict value updates that attribute's dict) for
+`--bwd-variants`."""
+
+
+@contextlib.contextmanager
+def bwd_options(options: dict):
+    """kda_bwd_triton's attributes with `options` over them for the block, as they were afterwards."""
+    from kimi.ops import kda_bwd_triton as kb
+    saved = {n: getattr(kb, n) for n in options}
+    try:
+        for n, value in options.items():
+            setattr(kb, n, {**saved[n], **value} if isinstance(saved[n], dict) else value)
+        yield
+    finally:
+        for n, value in saved.items():
+            setattr(kb, n, value)
+
+
+def bwd_interleaved_rows(x: dict, scale: float, variants: list, rounds: int, iters: int) -> None:
+    """The op's forward+backward (kda="triton") under each of `variants` (names of BWD_VARIANTS) in `rounds`
+    interleaved rounds; medians, each against the first variant named, and the gradients' largest difference from
+    the first variant's (the options change launches, not the math)."""
+    core = IMPLEMENTATIONS["kda"]["triton"]
+    do = torch.randn_like(x["v"])
+    names = ("q", "k", "v", "g", "beta", "h0")
+
+    def step():
+        leaves = [x[n].detach().requires_grad_() for n in names]
+        core(*leaves[:5], leaves[5], None, scale=scale)[0].backward(do)
+        return [t.grad for t in leaves]
+    grads = {}
+    for v in variants:
+        with bwd_options(BWD_VARIANTS[v]):
+            grads[v] = step()
+    times = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            with bwd_options(BWD_VARIANTS[v]):
+                times[v].append(measure(step, iters)[0])
+    med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+    first = variants[0]
+    print(f"\nforward+backward, {rounds} interleaved rounds, median ms (spread) against {first}, and the largest "
+          f"gradient difference from {first}'s (relative):", flush=True)
+    print("| variant | ms | min-max | ratio | gradients |\n|---|---|---|---|---|", flush=True)
+    for v in variants:
+        diff = max(rel(a, b) for a, b in zip(grads[v], grads[first]))
+        print(f"| {v} | {med[v]:.3f} | {min(times[v]):.3f}-{max(times[v]):.3f} | {med[v] / med[first]:.3f} | "
+              f"{diff:.1e} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="*", default=["8192x96"],
@@ -439,6 +502,9 @@ def main() -> None:
     ap.add_argument("--v3", nargs="*", default=[], metavar="KEY=VALUE",
                     help="kda_triton.V3 options over the defaults for every row of ours (Python literals: "
                          "out=kernel pieces=4)")
+    ap.add_argument("--bwd-variants", nargs="*", default=None, metavar="NAME",
+                    help=f"also time the op's forward+backward under these of {list(BWD_VARIANTS)} (kda_bwd_triton "
+                         "options) in --rounds interleaved rounds (default 3)")
     ap.add_argument("--bwd-pieces", default=None, help="kda_bwd_triton.PIECES for every row of ours (an int or auto)")
     a = ap.parse_args()
     try:
@@ -449,11 +515,14 @@ def main() -> None:
     if a.bwd_pieces is not None:
         from kimi.ops import kda_bwd_triton as kb
         kb.PIECES = a.bwd_pieces if a.bwd_pieces == "auto" else int(a.bwd_pieces)
+    unknown_bwd = [v for v in a.bwd_variants or () if v not in BWD_VARIANTS]
+    if unknown_bwd:
+        ap.error(f"--bwd-variants {unknown_bwd}: not among {list(BWD_VARIANTS)}")
     unknown = [v for v in a.variants or () if v not in VARIANTS]
     if unknown:
         ap.error(f"--variants {unknown}: not among {list(VARIANTS)}")
-    if a.rounds and not a.variants:
-        ap.error("--rounds times the named --variants: name at least one")
+    if a.rounds and not a.variants and not a.bwd_variants:
+        ap.error("--rounds times the named --variants or --bwd-variants: name at least one")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"
           f"{', V3 ' + ' '.join(a.v3) if a.v3 else ''}"
@@ -466,6 +535,9 @@ def main() -> None:
         chunk_rows(T, H, 128, a.iters, chunk_kda, a.chunk_triton, a.only_variants, a.variants, a.fla_safe_only)
         if a.rounds:
             interleaved_rows(inputs(T, H, 128, torch.device("cuda")), 128 ** -0.5, a.variants, a.rounds, a.iters)
+        if a.bwd_variants:
+            bwd_interleaved_rows(inputs(T, H, 128, torch.device("cuda")), 128 ** -0.5, a.bwd_variants,
+                                 a.rounds or 3, a.iters)
         torch.cuda.empty_cache()
     if not a.no_decode:
         decode_rows(64, 96, 128, a.iters, fused_recurrent_kda, a.decode_sweep)
