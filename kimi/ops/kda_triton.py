@@ -316,9 +316,10 @@ if triton is not None:
                 DT: tl.constexpr, EMULATE: tl.constexpr, QKD: tl.constexpr, GAMMA: tl.constexpr):
         """Chunk n's (I + L)⁻¹ from the strips' M (β·L with (I + L_aa)⁻¹ on the diagonal blocks), by the doubling of
         the module docstring from level LOG_BC = log2(BC) on, each level reading its coupling afresh; written over M
-        if INVERSE. Then w and u as dots with it, and q̃, k̃, d if QKD (else the strips wrote them). GAMMA: r holds
-        Γ · log2 e (`_gamma_kernel`; 16-bit inputs; its factors then bare ex2), and k̃ takes e^{Γ_{C−1} − Γ_j}; else
-        Γ and the suffix sums are scans of g here (sums of exactly the gates spanned)."""
+        if INVERSE. Then w and u as dots with it, and q̃, k̃, d if QKD (else the strips wrote them; QKD needs GAMMA).
+        GAMMA: r holds Γ · log2 e (`_gamma_kernel`; 16-bit inputs; its factors then bare ex2), and k̃ takes
+        e^{Γ_{C−1} − Γ_j}; else Γ is a scan of g here (sums of exactly the gates spanned)."""
+        tl.static_assert(GAMMA or not QKD)
         rows = tl.arange(0, C)
         out = (bh * N + n) * C + rows
         r2 = rows[:, None]
@@ -341,31 +342,17 @@ if triton is not None:
             kt = tl.load(k_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
             if GAMMA:   # Γ · log2 e from `_gamma_kernel` in r
                 gam = tl.load(r_ptr + out[:, None] * K + kk[None, :], mask=mk, other=0.0)
+                eg = tl.math.exp2(gam)                                            # e^{Γ_r}
             else:
                 g = tl.load(g_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
                 gam = tl.cumsum(g, 0)
-            if GAMMA:
-                eg = tl.math.exp2(gam)                                            # e^{Γ_r}
-            else:
                 eg = _exp(gam)
             rhs = tl.where(first, beta[:, None] * kt * eg, 0.0)
-            if QKD:
+            if QKD:   # v6 strips that leave q̃, k̃ and d to the solve (V3["strips_qkd"] False)
                 q = tl.load(q_ptr + tok[:, None] * K + kk[None, :], mask=m, other=0.0).to(tl.float32)
-                if GAMMA:
-                    g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
-                    _qkd_from_gamma(q, kt, gam, g_end, first, last, scale, out, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
-                else:   # k̃'s exponent a sum of exactly the gates after j
-                    kd = tl.where(last, kt * _exp(tl.cumsum(g, 0, reverse=True) - g), 0.0)
-                    g_end = tl.sum(g, 0)
-                    tl.store(qd_ptr + out[:, None] * K + kk[None, :],
-                             _to16(tl.where(first, scale * q * eg, 0.0), qd_ptr.dtype.element_ty, EMULATE), mask=mk)
-                    tl.store(kd_ptr + out[:, None] * K + kk[None, :], _to16(kd, kd_ptr.dtype.element_ty, EMULATE),
-                             mask=mk)
-                if GAMMA:
-                    d_n = tl.math.exp2(g_end)
-                else:
-                    d_n = _exp(g_end)
-                tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, d_n, 0.0), mask=kk < K)
+                g_end = tl.load(r_ptr + ((bh * N + n) * C + C - 1) * K + kk, mask=kk < K, other=0.0)
+                _qkd_from_gamma(q, kt, gam, g_end, first, last, scale, out, kk, mk, qd_ptr, kd_ptr, K, EMULATE)
+                tl.store(d_ptr + (bh * N + n) * K + kk, tl.where(n_seg == 0, tl.math.exp2(g_end), 0.0), mask=kk < K)
             w = _dot(Mi, rhs, tl.zeros([C, BK], dtype=tl.float32), SOLVE, DT, EMULATE)
             tl.store(w_ptr + out[:, None] * K + kk[None, :], _to16(w, w_ptr.dtype.element_ty, EMULATE), mask=mk)
         for v0 in range(0, V, BV):
