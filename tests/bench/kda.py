@@ -408,19 +408,28 @@ def interleaved_rows(x: dict, scale: float, variants: list, rounds: int, iters: 
     from kimi.ops import kda_triton as kt
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
 
-    def timed(options):
-        with v3_options(options), torch.no_grad():
+    def timed(v):
+        with v3_options(VARIANTS[v]), torch.no_grad():
             return measure(lambda: kt.kda_chunk_fwd_triton(*args, scale=scale), iters)[0]
+    rounds_table("forward", variants, rounds, timed)
+
+
+def rounds_table(what: str, variants: list, rounds: int, timed, extra: dict | None = None) -> None:
+    """`timed(variant)` (ms) for every variant once a round, `rounds` rounds, printed as medians with their spread
+    and ratio to the first variant's; `extra`: a last column ({"title": name, variant: text, ...})."""
     times = {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
-            times[v].append(timed(VARIANTS[v]))
+            times[v].append(timed(v))
     med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
-    first = med[variants[0]]
-    print(f"\nforward, {rounds} interleaved rounds, median ms (spread) and against {variants[0]}:", flush=True)
-    print("| variant | ms | min-max | ratio |\n|---|---|---|---|", flush=True)
+    first = variants[0]
+    print(f"\n{what}, {rounds} interleaved rounds, median ms (spread) and against {first}"
+          f"{', ' + extra['title'] if extra else ''}:", flush=True)
+    print(f"| variant | ms | min-max | ratio |{' ' + extra['title'] + ' |' if extra else ''}\n"
+          f"|---|---|---|---|{'---|' if extra else ''}", flush=True)
     for v in variants:
-        print(f"| {v} | {med[v]:.3f} | {min(times[v]):.3f}-{max(times[v]):.3f} | {med[v] / first:.3f} |", flush=True)
+        print(f"| {v} | {med[v]:.3f} | {min(times[v]):.3f}-{max(times[v]):.3f} | {med[v] / med[first]:.3f} |"
+              f"{' ' + extra[v] + ' |' if extra else ''}", flush=True)
 
 
 BWD_VARIANTS = {"defaults": {},
@@ -463,24 +472,16 @@ def bwd_interleaved_rows(x: dict, scale: float, variants: list, rounds: int, ite
         leaves = [x[n].detach().requires_grad_() for n in names]
         core(*leaves[:5], leaves[5], None, scale=scale)[0].backward(do)
         return [t.grad for t in leaves]
+    def timed(v):
+        with bwd_options(BWD_VARIANTS[v]):
+            return measure(step, iters)[0]
     grads = {}
     for v in variants:
         with bwd_options(BWD_VARIANTS[v]):
             grads[v] = step()
-    times = {v: [] for v in variants}
-    for _ in range(rounds):
-        for v in variants:
-            with bwd_options(BWD_VARIANTS[v]):
-                times[v].append(measure(step, iters)[0])
-    med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
-    first = variants[0]
-    print(f"\nforward+backward, {rounds} interleaved rounds, median ms (spread) against {first}, and the largest "
-          f"gradient difference from {first}'s (relative):", flush=True)
-    print("| variant | ms | min-max | ratio | gradients |\n|---|---|---|---|---|", flush=True)
-    for v in variants:
-        diff = max(rel(a, b) for a, b in zip(grads[v], grads[first]))
-        print(f"| {v} | {med[v]:.3f} | {min(times[v]):.3f}-{max(times[v]):.3f} | {med[v] / med[first]:.3f} | "
-              f"{diff:.1e} |", flush=True)
+    diff = {v: f"{max(rel(a, b) for a, b in zip(grads[v], grads[variants[0]])):.1e}" for v in variants}
+    rounds_table("forward+backward", variants, rounds, timed,
+                 extra={"title": f"largest gradient difference from {variants[0]}'s", **diff})
 
 
 def main() -> None:
