@@ -160,23 +160,6 @@ def test_x2n_chain_equals_x2(monkeypatch):
         assert rel_err(a.float(), b.float()) < (1e-6 if a.dtype == torch.float32 else 1e-3), (a.dtype, a.shape)
 
 
-def test_backward_in_pieces(monkeypatch):
-    """The backward from the forward's scratch in pieces of chunks (kda_bwd_triton.PIECES: the reverse pass of each
-    piece, last first, from the gradient the later piece hands it, then that piece's chunk-parallel kernels; on a
-    GPU on two streams) equals the one-piece backward bit for bit: 4 chunks in 3 pieces of unequal length with
-    document starts inside and at their edges, with and without a final-state gradient and an initial state."""
-    x = _inputs(1, 200, 1, 16, 16, "mixed", torch.bfloat16)
-    reset = resets(1, 200, [[23, 64, 130]])
-    for with_dsN, h0 in ((True, True), (False, False)):
-        xs = x if h0 else {**x, "initial_state": None}
-        do, dsN = _bwd_inputs(xs, with_dsN)
-        one = _saved_grads(xs, reset, do, dsN, 0.25)
-        monkeypatch.setattr(kb, "PIECES", 3)
-        got = _saved_grads(xs, reset, do, dsN, 0.25)
-        monkeypatch.setattr(kb, "PIECES", 1)
-        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, one)), (with_dsN, h0)
-
-
 @pytest.mark.parametrize("case, dtype, pairwise", [
     ("bounded, resets inside and at a chunk edge", torch.bfloat16, "batched"),
     ("documents in a row, near-zero / -5 gates", torch.float32, "wide")])
@@ -329,19 +312,3 @@ def test_gpu_backward_matches_float64_recurrence(dtype):
     if dtype == torch.bfloat16:
         _check_grads(_saved_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, tol)
 
-
-@pytest.mark.gpu
-def test_gpu_backward_in_pieces_on_two_streams(monkeypatch):
-    """The backward from the forward's scratch in pieces on two streams (kda_bwd_triton.PIECES) at 32 heads, 64
-    chunks, with documents: bit for bit the one-piece backward; `backward_pieces` "auto" takes several pieces at
-    this shape."""
-    x, _ = _k3_inputs(torch.bfloat16, T=4096, H=32)
-    reset = resets(1, 4096, [[100, 640, 641, 2048]]).cuda()
-    do, dsN = _bwd_inputs(x, True)
-    one = _saved_grads(x, reset, do, dsN, 128 ** -0.5)
-    for pieces in (4, 7):
-        monkeypatch.setattr(kb, "PIECES", pieces)
-        got = _saved_grads(x, reset, do, dsN, 128 ** -0.5)
-        assert all(torch.equal(a, b) for a, b in zip(got, one)), pieces
-    monkeypatch.setattr(kb, "PIECES", "auto")
-    assert kb.backward_pieces(32, 128, 64, torch.bfloat16, x["q"].device) > 1

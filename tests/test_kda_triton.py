@@ -213,29 +213,6 @@ def test_output_in_state_pass_auto():
     assert not kt.fuse_output(32, 128, f32, f32, cpu) and not kt.fuse_output(32, 128, bf, f32, cpu)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_forward_in_pieces(dtype, monkeypatch):
-    """The forward launched in pieces of chunks (kda_triton.V3["pieces"]: each piece's intra-chunk kernels, then its
-    state pass from the previous piece's final state; on a GPU on two streams) is the one-piece forward bit for bit:
-    o, the final state and the backward's scratch, with document starts inside and at the edges of pieces of
-    unequal length (4 chunks in 3 pieces), O_n from the output kernel or from the state pass."""
-    T = 200
-    x = _inputs(1, T, 1, 16, 16, "mixed", dtype)
-    reset = resets(1, T, [[23, 64, 130]])
-    o1, S1, scratch1, states1 = _call(kt.kda_chunk_fwd_triton, x, reset, residuals=True)
-    for options in (dict(pieces=3), dict(pieces=2, out="state")):
-        with monkeypatch.context() as mp:
-            for name, value in options.items():
-                mp.setitem(kt.V3, name, value)
-            o, S, scratch, states = _call(kt.kda_chunk_fwd_triton, x, reset, residuals=True)
-            o_alone, S_alone = _call(kt.kda_chunk_fwd_triton, x, reset)
-        assert torch.equal(S, S1) and torch.equal(S_alone, S1) and torch.equal(o, o_alone), options
-        assert all(torch.equal(scratch[n], scratch1[n]) for n in scratch1) and torch.equal(states, states1), options
-        if "out" not in options or dtype == torch.float32:   # bf16: O_n from the state pass takes other operands
-            assert torch.equal(o, o1), options
-        assert rel_err(o.cpu().double(), o1.cpu().double()) < BF16_TOL
-
-
 @settings(max_examples=10, deadline=None)
 @given(data=st.data(), T=st.integers(1, 140), H=st.integers(1, 2), K=st.sampled_from([16, 24, 32]),
        V=st.sampled_from([16, 20, 32]), chunk_size=st.sampled_from([16, 32, 64]), gate=st.sampled_from(GATES),
@@ -340,7 +317,7 @@ def test_rejects_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("name, value, match", [("strips", "v3", "strips"), ("u16", "u", "u16"),
-                                                ("split", True, "unknown options"), ("pieces", 0, "pieces"),
+                                                ("split", True, "unknown options"), ("pieces", 1, "unknown options"),
                                                 ("out", "states", "out")])
 def test_rejects_options_that_do_not_exist(name, value, match, monkeypatch):
     """A retired or mistyped `V3` option is a named error, not the defaults run in its place."""
@@ -389,27 +366,6 @@ def test_gpu_matches_float64_recurrence(H, out, monkeypatch):
                          scale=128 ** -0.5)
     o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
     assert rel_err(o, o_ref) < BF16_TOL and rel_err(S, S_ref) < BF16_TOL
-
-
-@pytest.mark.gpu
-def test_gpu_forward_in_pieces_on_two_streams(monkeypatch):
-    """The forward in pieces on two streams (V3["pieces"]; the state pass of one piece beside the next one's
-    intra-chunk kernels) at 32 heads, 64 chunks: bit for bit the one-piece forward, with and without the backward's
-    scratch and O_n from either place; `forward_pieces` "auto" takes several pieces at this shape."""
-    x, _ = _k3_inputs(torch.bfloat16, T=4096, H=32)
-    reset = resets(1, 4096, [[100, 640, 641, 2048]]).cuda()
-    for out in ("kernel", "state"):
-        monkeypatch.setitem(kt.V3, "out", out)
-        monkeypatch.setitem(kt.V3, "pieces", 1)
-        o1, S1, scratch1, states1 = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, residuals=True)
-        for pieces in (4, 7):
-            monkeypatch.setitem(kt.V3, "pieces", pieces)
-            o, S, scratch, states = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5, residuals=True)
-            o_alone, S_alone = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
-            assert torch.equal(o, o1) and torch.equal(S, S1) and torch.equal(o_alone, o1) and torch.equal(S_alone, S1)
-            assert all(torch.equal(scratch[n], scratch1[n]) for n in scratch1) and torch.equal(states, states1)
-    monkeypatch.setitem(kt.V3, "pieces", "auto")
-    assert kt.forward_pieces(32, 128, 64, torch.bfloat16, torch.bfloat16, x["q"].device) > 1
 
 
 @pytest.mark.gpu

@@ -9,8 +9,7 @@ pass (`kda_triton._state_bwd_kernel`, or `_state_bwd2_kernel` here, which takes 
 
     dU_n = Aqk_nᵀ dO_n + k̃_n dS_{n+1},    dS_n = q̃_nᵀ dO_n + diag(d_n) dS_{n+1} − w_nᵀ dU_n,
 
-storing dS_{n+1} and dU_n (dS_0 is the initial state's gradient); when recomputing, the two sequential passes may
-run side by side on two streams (`OVERLAP`). Through the state, dq̃ = dO S_nᵀ, dk̃ = U dS_{n+1}ᵀ, dw = −dU S_nᵀ,
+storing dS_{n+1} and dU_n (dS_0 is the initial state's gradient). Through the state, dq̃ = dO S_nᵀ, dk̃ = U dS_{n+1}ᵀ, dw = −dU S_nᵀ,
 dd = Σ_v S_n ⊙ dS_{n+1}, dAqk = dO Uᵀ; through the solves X = (I + L)⁻¹ R, dR = (I + L)⁻ᵀ dX, and
 dL = −(dR_w wᵀ + dR_u uᵀ) collapses to −dR_u Uᵀ because u = U + w S_n and dR_w = −dR_u S_nᵀ. The per-chunk token
 gradients are then split in two kernels:
@@ -48,8 +47,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kda_triton import (_DT16, SUB_CHUNK, V3, _check, _dots, _pow2, _state_pass, _streams, auto_pieces,
-                         kda_chunk_fwd_triton, kda_intra_triton, piece_bounds, state_config)
+from .kda_triton import (_DT16, SUB_CHUNK, V3, _check, _dots, _pow2, _state_pass, kda_chunk_fwd_triton,
+                         kda_intra_triton, state_config)
 from .registry import sm_count, tl, triton
 
 if triton is not None:
@@ -72,7 +71,7 @@ if triton is not None:
 
     @triton.jit
     def _state_bwd2_kernel(qd_ptr, kd_ptr, w_ptr, A_ptr, d_ptr, do_ptr, dsN_ptr, dh_ptr, dU_ptr, dh0_ptr,
-                           T, H, K, V, N, N0, N1, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           T, H, K, V, N, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                            HAS_DSN: tl.constexpr, HAS_DH0: tl.constexpr, QD16: tl.constexpr, STATE: tl.constexpr,
                            DT: tl.constexpr, EMULATE: tl.constexpr, CHAIN: tl.constexpr = ""):
         # `kda_triton._state_bwd_kernel`'s recurrence (program per row bh and block of BV state columns, chunks in
@@ -81,8 +80,7 @@ if triton is not None:
         # dh's dtype (rounded to nearest), and QD16: q̃ᵀ dO on 16-bit operands (both are stored in 16 bits: the
         # products are the TF32 ones). CHAIN: the operands of the two dots on the chain, k̃ dS and wᵀ dU ("x2" /
         # "x2n": dS and dU as two bf16 parts; Aqkᵀ dO and q̃ᵀ dO then on 16-bit operands, all stored so); "":
-        # STATE's. Chunks N1 − 1 down to N0 (of N): dsN the gradient of the state leaving N1 − 1, dh0 that of the
-        # state entering N0.
+        # STATE's. dsN the final state's gradient, dh0 the initial state's.
         CH: tl.constexpr = CHAIN if CHAIN != "" else STATE
         AD: tl.constexpr = "16" if CHAIN != "" else STATE
         QD: tl.constexpr = "16" if QD16 or CHAIN != "" else STATE
@@ -99,8 +97,8 @@ if triton is not None:
             dS = tl.load(dsN_ptr + bh * K * V + kk[:, None] * V + vv[None, :], mask=m_kv, other=0.0)
         else:
             dS = tl.zeros([BK, BV], dtype=tl.float32)
-        for i in range(N1 - N0):
-            n = N1 - 1 - i
+        for i in range(N):
+            n = N - 1 - i
             rws = (bh * N + n) * C + c
             tl.store(dh_ptr + ((bh * N + n) * K + kk[:, None]) * V + vv[None, :],
                      _to16(dS, dh_ptr.dtype.element_ty, EMULATE), mask=m_kv)
@@ -122,12 +120,12 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dav_kernel(v_ptr, beta_ptr, reset_ptr, M_ptr, U_ptr, dU_ptr, do_ptr, dA_ptr, dL_ptr, dAd_ptr, dbv_ptr,
-                        dv_ptr, T, H, V, N, N0, scale,
+                        dv_ptr, T, H, V, N, scale,
                         C: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr, SOLVE: tl.constexpr,
                         STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
-        # program (chunk n = N0 + its first index, row bh). Writes dAqk·s and dL [R, N, C, C] (their pointers'
+        # program (chunk n, row bh). Writes dAqk·s and dL [R, N, C, C] (their pointers'
         # dtype, zero off the pattern), the diagonal of dAqk·s and Σ_v dR_u ⊙ v [R, N, C] fp32, and dv [B, T, H, V].
-        n = N0 + tl.program_id(0)
+        n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         rows = tl.arange(0, C)
         t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
@@ -163,14 +161,14 @@ if triton is not None:
 
     @triton.jit
     def _bwd_state_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, M_ptr, U_ptr, h_ptr, dh_ptr, dU_ptr, do_ptr,
-                          dqs_ptr, dks_ptr, dgs_ptr, dbs_ptr, T, H, K, V, N, N0, scale, C: tl.constexpr,
+                          dqs_ptr, dks_ptr, dgs_ptr, dbs_ptr, T, H, K, V, N, scale, C: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr, SOLVE: tl.constexpr,
                           STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
-        # program (key block kb, chunk n − N0, row bh): the terms of dq, dk, dg and dβ through the state (dq̃ = dO S_nᵀ,
+        # program (key block kb, chunk n, row bh): the terms of dq, dk, dg and dβ through the state (dq̃ = dO S_nᵀ,
         # dk̃ = U dS_{n+1}ᵀ, dR_w = −(I + L)⁻ᵀ dU S_nᵀ, dd), `_bwd_dqkg_kernel`'s "through the state" for wider key
         # blocks, into dqs, dks, dgs fp32 [B, T, H, K] and dbs [K / BK, R, N, C] for its SPLIT.
         kb = tl.program_id(0)
-        n = N0 + tl.program_id(1)
+        n = tl.program_id(1)
         bh = tl.program_id(2).to(tl.int64)
         rows = tl.arange(0, C)
         t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
@@ -219,17 +217,17 @@ if triton is not None:
     @triton.jit
     def _bwd_dqkg_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, M_ptr, U_ptr, h_ptr, dh_ptr, dU_ptr, do_ptr,
                          dA_ptr, dL_ptr, dAd_ptr, dq_ptr, dk_ptr, dg_ptr, dbk_ptr, dqs_ptr, dks_ptr, dgs_ptr,
-                         T, H, K, V, N, N0, scale,
+                         T, H, K, V, N, scale,
                          C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          HAS_RESET: tl.constexpr, PAIR: tl.constexpr, SOLVE: tl.constexpr, STATE: tl.constexpr,
                          DT: tl.constexpr, EMULATE: tl.constexpr, WIDE: tl.constexpr = False,
                          SPLIT: tl.constexpr = False):
-        # program (key block kb, chunk n − N0, row bh): dq, dk, dg of the block's channels [B, T, H, K] and dβ's part
+        # program (key block kb, chunk n, row bh): dq, dk, dg of the block's channels [B, T, H, K] and dβ's part
         # from them into dbk [K / BK, R, N, C] fp32. WIDE: the pairwise sums as four [C, C] x [C, C/BC · BK] dots,
         # the anchors side by side in the columns (`PAIRWISE`), instead of batched over the anchors. SPLIT: the
         # state's terms come from `_bwd_state_kernel` (dqs, dks, dgs fp32 [B, T, H, K]; `STATE_TERMS`).
         kb = tl.program_id(0)
-        n = N0 + tl.program_id(1)
+        n = tl.program_id(1)
         bh = tl.program_id(2).to(tl.int64)
         NB: tl.constexpr = C // BC
         rows = tl.arange(0, C)
@@ -377,10 +375,6 @@ if triton is not None:
         tl.store(dbk_ptr + (kb * tl.num_programs(2) * N + st) * C + rows, db)
 
 
-OVERLAP = False
-"""On a GPU, run the reverse state pass on a side stream beside the forward one (False: one after the other). Off:
-each pass alone leaves program slots idle, but side by side they took as long as in turn (H200, K3 shape)."""
-
 SAVE = "forward"
 """Where the op's backward (`delta_rule`'s `kimi::kda_triton`) takes the forward's scratch from: "recompute" (the
 intra-chunk kernel and the forward state pass again, in fp32: autograd holds only the inputs) or "forward"
@@ -416,50 +410,6 @@ parts side by side in one dot, as the forward's `V3["state_dots"]`; two stages u
 at one ptxas serializes its wgmma) or "auto" ("x2n" where the block is at most 16 columns, few sequences × heads,
 and K ≤ 128; TF32 at wider blocks, where x2n measured slower: docs/performance.md, KDA round 8).
 block_v "auto": by the sequences × heads (`reverse_config`)."""
-
-
-PIECES = 1
-"""The runs of chunks the backward from the forward's scratch (`saved`, the own reverse kernel) goes through in
-reverse: the reverse state pass of piece p − 1 then runs beside the chunk-parallel kernels of piece p, on two CUDA
-streams, as the forward's `V3["pieces"]` does; 1, an int, or "auto" (`backward_pieces`)."""
-
-
-def backward_pieces(R: int, V: int, N: int, dtype: torch.dtype, device: torch.device) -> int:
-    """`PIECES` resolved: "auto" takes 4 pieces of at least 8 chunks on a GPU for 16-bit inputs where even 64-column
-    blocks of the reverse pass would leave SMs without a program (few sequences × heads), else 1. At most N."""
-    p = PIECES
-    if p == "auto":
-        p = 1
-        if dtype in _DT16 and device.type == "cuda" and R * triton.cdiv(V, 64) < sm_count(device):
-            p = auto_pieces(N)
-    if not (isinstance(p, int) and p >= 1):
-        raise ValueError(f"kda_bwd_triton.PIECES = {PIECES!r}: an int >= 1 or 'auto'")
-    return min(p, N)
-
-
-def _pieces_in_reverse(device: torch.device, bounds: list, reverse_pass, grads, edges: list) -> None:
-    """The backward's pieces (`PIECES`), last first: `reverse_pass(n0, n1, ds_in, ds_out)` of each on a high-
-    priority stream, from edges[p + 1] (the gradient of the state leaving the piece) to edges[p], then
-    `grads(n0, n1)`, its chunk-parallel kernels, on another once that pass is done; on the CPU in turn. Every
-    tensor they touch is allocated before and freed after."""
-    if device.type != "cuda":
-        for p in reversed(range(len(bounds))):
-            reverse_pass(*bounds[p], edges[p + 1], edges[p])
-            grads(*bounds[p])
-        return
-    main = torch.cuda.current_stream(device)
-    side, high = _streams(device)
-    side.wait_stream(main)
-    high.wait_stream(main)
-    for p in reversed(range(len(bounds))):
-        with torch.cuda.stream(high):
-            reverse_pass(*bounds[p], edges[p + 1], edges[p])
-            done = high.record_event()
-        with torch.cuda.stream(side):
-            side.wait_event(done)
-            grads(*bounds[p])
-    main.wait_stream(high)
-    main.wait_stream(side)
 
 
 def dav_config(C: int, V: int, ieee: bool) -> dict:
@@ -580,42 +530,26 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     do = do.contiguous()
     dsN = dsN.contiguous() if dsN is not None else None
 
-    def reverse_pass(n0: int = 0, n1: int | None = None, ds_in: Tensor | None = dsN, ds_out: Tensor | None = dh0):
-        # chunks n1 − 1 down to n0 (all by default) from ds_in (the gradient of the state leaving n1 − 1) to ds_out
-        n1 = N if n1 is None else n1
+    def reverse_pass():   # chunks N − 1 down to 0, from dsN to dh0
         sms = sm_count(q.device) if q.is_cuda else 132
         b16 = x["qd"].dtype == x["A"].dtype == do.dtype == torch.bfloat16
         cfg = reverse_config(K, V, ieee=not s16, rows=R, sms=sms, chain=own and b16)
-        args = (x["qd"], x["kd"], x["w"], x["A"], x["d"], do, ds_in if ds_in is not None else dU, dstates, dU,
-                ds_out if ds_out is not None else dU, T, H, K, V, N)
-        launch = dict(C=C, BK=cfg["BK"], BV=cfg["BV"], HAS_DSN=ds_in is not None, HAS_DH0=ds_out is not None,
+        args = (x["qd"], x["kd"], x["w"], x["A"], x["d"], do, dsN if dsN is not None else dU, dstates, dU,
+                dh0 if dh0 is not None else dU, T, H, K, V, N)
+        launch = dict(C=C, BK=cfg["BK"], BV=cfg["BV"], HAS_DSN=dsN is not None, HAS_DH0=dh0 is not None,
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dots(q.dtype, "state"))
         grid = (R, triton.cdiv(V, cfg["BV"]))
         if own:
             qd16 = REVERSE["qd16"] and x["qd"].dtype == do.dtype == torch.bfloat16
-            _state_bwd2_kernel[grid](*args, n0, n1, QD16=qd16, CHAIN=cfg["CHAIN"], **launch)
+            _state_bwd2_kernel[grid](*args, QD16=qd16, CHAIN=cfg["CHAIN"], **launch)
         else:
             _state_bwd_kernel[grid](*args, **launch)
 
-    bounds = piece_bounds(N, backward_pieces(R, V, N, q.dtype, q.device)) if saved is not None and own else [(0, N)]
-    if len(bounds) == 1 and saved is not None:   # (more pieces: the reverse pass by pieces below)
-        reverse_pass()
-    elif saved is None:
-        # the two sequential passes are independent (the reverse one takes neither S_n nor U_n), and neither fills
-        # the GPU's program slots (one program per head and block of state columns): side by side on two streams.
-        # Every tensor the side stream touches was allocated before the fork and is freed after the join.
-        overlap = OVERLAP and q.is_cuda
-        if overlap:
-            main, side = torch.cuda.current_stream(q.device), _streams(q.device)[0]
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                reverse_pass()
+    if saved is None:   # the forward state pass again (S_n, U_n), then the reverse one
         _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, states=states,
                     block_v=V3["state_block"])
-        if overlap:
-            main.wait_stream(side)
-        else:
-            reverse_pass()
+    reverse_pass()
+    if saved is None:
         del x["w"], x["qd"], x["kd"], x["A"]
     U = x["u"]                                                    # U_n (the state pass wrote it over u)
 
@@ -638,40 +572,28 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     nkb = triton.cdiv(K, cfg["BK"])
     dbk = torch.empty(nkb, R, N, C, **f32)
 
-    def value_side(n0: int, n1: int) -> None:   # dAqk, dL, dv and dβ's value part of chunks n0..n1−1
-        c = dav_config(C, V, ieee=not s16)
-        _bwd_dav_kernel[(n1 - n0, R)](
-            v, beta, rst, x["M"], U, dU, do, dA, dL, dA_diag, dbv, dv, T, H, V, N, n0, float(scale), C=C,
-            BV=c["BV"], HAS_RESET=reset is not None, num_warps=c["num_warps"], num_stages=c["num_stages"],
-            SOLVE=dots["SOLVE"], STATE=dots["STATE"], DT=dots["DT"], EMULATE=dots["EMULATE"])
-        if split:
-            _bwd_state_kernel[(triton.cdiv(K, bks), n1 - n0, R)](
-                q, k, g, beta, rst, x["M"], U, states, dstates, dU, do, dqs, dks, dgs, dbs, T, H, K, V, N, n0,
-                float(scale), C=C, BK=bks, BV=min(_pow2(V), STATE_TERMS["block_v"]), HAS_RESET=reset is not None,
-                SOLVE=dots["SOLVE"], STATE=dots["STATE"], DT=dots["DT"], EMULATE=dots["EMULATE"],
-                num_warps=STATE_TERMS["num_warps"], num_stages=1)
-
-    def key_side(n0: int, n1: int) -> None:   # dq, dk, dg and dβ's key part of chunks n0..n1−1
-        _bwd_dqkg_kernel[(nkb, n1 - n0, R)](
-            q, k, g, beta, rst, x["M"], U, states, dstates if not split else dq, dU if not split else dq, do, dA,
-            dL, dA_diag, dq, dk, dg, dbk, dqs, dks, dgs, T, H, K, V, N, n0, float(scale), C=C, BC=SUB_CHUNK,
-            BK=cfg["BK"], BV=cfg["BV"], HAS_RESET=reset is not None, WIDE=PAIRWISE == "wide", SPLIT=split,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **dots)
-
-    if len(bounds) == 1:
-        value_side(0, N)
-        if split:
-            del dstates, dU   # before dq and dk exist: the split's peak is the scratch it adds
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
-        if not split:
-            dqs = dks = dgs = dq
-        key_side(0, N)
-    else:
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
-        if not split:
-            dqs = dks = dgs = dq
-        _pieces_in_reverse(q.device, bounds, reverse_pass, lambda n0, n1: (value_side(n0, n1), key_side(n0, n1)),
-                           [dh0] + [torch.empty(B, H, K, V, **f32) for _ in bounds[1:]] + [dsN])
+    # the value side: dAqk, dL, dv and dβ's value part
+    c = dav_config(C, V, ieee=not s16)
+    _bwd_dav_kernel[(N, R)](
+        v, beta, rst, x["M"], U, dU, do, dA, dL, dA_diag, dbv, dv, T, H, V, N, float(scale), C=C, BV=c["BV"],
+        HAS_RESET=reset is not None, num_warps=c["num_warps"], num_stages=c["num_stages"], SOLVE=dots["SOLVE"],
+        STATE=dots["STATE"], DT=dots["DT"], EMULATE=dots["EMULATE"])
+    if split:
+        _bwd_state_kernel[(triton.cdiv(K, bks), N, R)](
+            q, k, g, beta, rst, x["M"], U, states, dstates, dU, do, dqs, dks, dgs, dbs, T, H, K, V, N, float(scale),
+            C=C, BK=bks, BV=min(_pow2(V), STATE_TERMS["block_v"]), HAS_RESET=reset is not None, SOLVE=dots["SOLVE"],
+            STATE=dots["STATE"], DT=dots["DT"], EMULATE=dots["EMULATE"], num_warps=STATE_TERMS["num_warps"],
+            num_stages=1)
+        dstates = dU = None   # freed before dq and dk exist: the split's peak is the scratch it adds
+    # the key side: dq, dk, dg and dβ's key part
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    if not split:
+        dqs = dks = dgs = dq
+    _bwd_dqkg_kernel[(nkb, N, R)](
+        q, k, g, beta, rst, x["M"], U, states, dstates if not split else dq, dU if not split else dq, do, dA, dL,
+        dA_diag, dq, dk, dg, dbk, dqs, dks, dgs, T, H, K, V, N, float(scale), C=C, BC=SUB_CHUNK, BK=cfg["BK"],
+        BV=cfg["BV"], HAS_RESET=reset is not None, WIDE=PAIRWISE == "wide", SPLIT=split, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **dots)
     if split:
         dbv = dbv + dbs.sum(0)
     db = (dbv + dbk.sum(0)).view(B, H, N * C)[:, :, :T].transpose(1, 2)

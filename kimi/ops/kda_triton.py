@@ -167,12 +167,12 @@ if triton is not None:
         return t, valid, tok, rst, tl.cumsum(rst, 0), tl.sum(rst, 0)
 
     @triton.jit
-    def _state_kernel(w_ptr, u_ptr, kd_ptr, d_ptr, s0_ptr, sN_ptr, h_ptr, U_ptr, K, V, N, N0, N1, C: tl.constexpr,
+    def _state_kernel(w_ptr, u_ptr, kd_ptr, d_ptr, s0_ptr, sN_ptr, h_ptr, U_ptr, K, V, N, C: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, S0: tl.constexpr, HAS_U: tl.constexpr, STORE: tl.constexpr,
                       STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr, qd_ptr=None, A_ptr=None,
                       o_ptr=None, T=1, H=1, OUT: tl.constexpr = ""):
         # program (row bh, block of BV state columns); the state's K rows and BV columns stay in fp32 registers
-        # through chunks N0..N1−1 (of N), from S0 to the state leaving chunk N1 − 1 in sN. S0: 0 zeros, 1 loaded
+        # through the N chunks, from S0 to the final state in sN. S0: 0 zeros, 1 loaded
         # from s0 [B·H, K, V], 2 the identity (the transition, V = K).
         # HAS_U False: u = 0. STORE: the state entering every chunk into h [B·H, N, K, V] (in its dtype), and
         # U_n into U (u itself or its own buffer, in its dtype: what `_output_kernel` and the backward read).
@@ -191,7 +191,7 @@ if triton is not None:
             S = tl.where(m_kv & (kk[:, None] == vv[None, :]), 1.0, 0.0)
         else:
             S = tl.zeros([BK, BV], dtype=tl.float32)
-        for n in range(N0, N1):
+        for n in range(N):
             rws = (bh * N + n) * C + c
             if STORE:
                 tl.store(h_ptr + ((bh * N + n) * K + kk[:, None]) * V + vv[None, :],
@@ -262,14 +262,14 @@ if triton is not None:
         return tl.reshape(tl.cumsum(tl.reshape(x, [C // BC, BC, BK]), 1, reverse=REVERSE), [C, BK])
 
     @triton.jit
-    def _output_kernel(qd_ptr, A_ptr, U_ptr, h_ptr, o_ptr, T, H, K, V, N, N0, C: tl.constexpr, BK: tl.constexpr,
+    def _output_kernel(qd_ptr, A_ptr, U_ptr, h_ptr, o_ptr, T, H, K, V, N, C: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                        QS: tl.constexpr = "", AU: tl.constexpr = ""):
-        # program (chunk n = N0 + its first index, row bh, block of BV output columns): O_n = q̃_n S_n + Aqk_n U_n
+        # program (chunk n, row bh, block of BV output columns): O_n = q̃_n S_n + Aqk_n U_n
         # from the state pass's S_n (h [B·H, N, K, V]) and U_n; chunk-parallel. QS "16": q̃_n S_n with 16-bit
         # operands (both stored in 16 bits: the same products as TF32's, at the 16-bit rate); "": STATE's. AU: the
         # same for Aqk_n U_n.
-        n = N0 + tl.program_id(0)
+        n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -364,12 +364,12 @@ if triton is not None:
 
     @triton.jit
     def _solve3_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, reset_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr,
-                       r_ptr, T, H, K, V, N, N0, scale, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
+                       r_ptr, T, H, K, V, N, scale, C: tl.constexpr, BC: tl.constexpr, LOG_BC: tl.constexpr,
                        LEVELS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr,
                        INVERSE: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                        QKD: tl.constexpr, GAMMA: tl.constexpr):
-        # program (chunk n = N0 + its first index, row bh): `_solve3` after `_strips6_kernel` or `_strips4_kernel`
-        n = N0 + tl.program_id(0)
+        # program (chunk n, row bh): `_solve3` after `_strips6_kernel` or `_strips4_kernel`
+        n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         t, valid, tok, rst, seg, n_seg = _chunk_rows(reset_ptr, n, bh, T, H, C, HAS_RESET)
         _solve3(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, d_ptr, M_ptr, r_ptr, n, bh, K, V,
@@ -389,15 +389,15 @@ if triton is not None:
 
     @triton.jit
     def _strips4_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, qd_ptr, kd_ptr, A_ptr, M_ptr, d_ptr, T, H, K, N,
-                        N0, scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
+                        scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
                         PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
-        # program (i · NB + a, row bh) for chunk n = N0 + i and query block a, `V3["strips"] = "v4"`: block a's
+        # program (n · NB + a, row bh) for chunk n and query block a, `V3["strips"] = "v4"`: block a's
         # rows of Aqk and β·L (its diagonal block inverted) one [BC, BC] block of keys at a time, each a dot per
         # key piece, and q̃, k̃ of its rows (d from the last block). Only 16-row scans: key block b < a carries
         # e^{g(j, m_b] + g(m_b, n_a]}, the first a sum within b, the second g_{n_a} plus the whole blocks between,
         # so every exponent is a sum of exactly the gates it spans.
         NB: tl.constexpr = C // BC
-        n = N0 + tl.program_id(0) // NB
+        n = tl.program_id(0) // NB
         a = tl.program_id(0) % NB
         bh = tl.program_id(1).to(tl.int64)
         seq = bh // H
@@ -478,10 +478,10 @@ if triton is not None:
             tl.store(A_ptr + a_rows[:, None] * C + (b * BC + lr)[None, :], zb.to(A_ptr.dtype.element_ty))
 
     @triton.jit
-    def _gamma_kernel(g_ptr, r_ptr, T, H, K, N, N0, C: tl.constexpr, BK: tl.constexpr):
-        # program (chunk n = N0 + its first index, row bh, key piece): Γ_r = Σ_{u ≤ r} g_u of the chunk's rows, in
+    def _gamma_kernel(g_ptr, r_ptr, T, H, K, N, C: tl.constexpr, BK: tl.constexpr):
+        # program (chunk n, row bh, key piece): Γ_r = Σ_{u ≤ r} g_u of the chunk's rows, in
         # units of ln 2 (Γ_r · log2 e: its readers' factors are then bare ex2), into r [B·H, N, C, K] fp32
-        n = N0 + tl.program_id(0)
+        n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         t = n * C + tl.arange(0, C)
         kk = tl.program_id(2) * BK + tl.arange(0, BK)
@@ -493,10 +493,10 @@ if triton is not None:
 
     @triton.jit
     def _strips6_kernel(q_ptr, k_ptr, beta_ptr, reset_ptr, r_ptr, A_ptr, M_ptr, qd_ptr, kd_ptr, d_ptr, T, H, K, N,
-                        N0, scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
+                        scale, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_RESET: tl.constexpr,
                         PAIR: tl.constexpr, SOLVE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                         QKD: tl.constexpr = False):
-        # program (i · NB + a, row bh) for chunk n = N0 + i and query block a, `V3["strips"] = "v6"` (16-bit
+        # program (n · NB + a, row bh) for chunk n and query block a, `V3["strips"] = "v6"` (16-bit
         # inputs): block a's rows of Aqk and β·L against every key of the chunk, one [BC, C] dot per key piece (its
         # diagonal block then inverted), the anchored factors from the chunk's prefix sums Γ (`_gamma_kernel`, in r,
         # times log2 e: each factor one ex2) instead of scans: queries e^{Γ_r − Γ_{n_a}} ≤ 1, keys e^{Γ_{n_a} − Γ_j}
@@ -505,7 +505,7 @@ if triton is not None:
         # QKD: also q̃, k̃ of its rows (e^{Γ_r}, e^{Γ_{C−1} − Γ_j}) and, from the last block, d (the solve then forms
         # only w and u).
         NB: tl.constexpr = C // BC
-        n = N0 + tl.program_id(0) // NB
+        n = tl.program_id(0) // NB
         a = tl.program_id(0) % NB
         bh = tl.program_id(1).to(tl.int64)
         seq = bh // H
@@ -646,7 +646,7 @@ Aqk, "solve" the triangular solve, "state" the state pass; "16" (the inputs' dty
 V3 = {"state_block": "auto", "scratch": "16", "states": "16", "block_kw": 32, "num_warps": 4, "stages": 2,
       "state_stages": 1, "state_warps": 4, "state_dots": "tf32", "strips": "v6", "strip_warps": 2, "solve_warps": None,
       "block_k4": 32, "block_k6": 32, "solve_dots": None, "u16": "U", "a16": True, "strips_qkd": True,
-      "output_bk": None, "out": "auto", "pieces": 1}
+      "output_bk": None, "out": "auto"}
 """Options of the forward for 16-bit inputs: "state_block" the state columns of one sequential program (16, 32, 64,
 or "auto");
 "scratch" the dtype of w, q̃ and k̃ between the kernels and "states" that of the stored S_n: "16" (bf16; the state
@@ -668,9 +668,7 @@ strips' too) and "solve_dots" (its operands; None: `PRECISION["solve"]`; "16": b
 "output_bk" the output kernel's key piece for 16-bit inputs (None: `output_config`'s; the whole key dim in one piece
 runs one stage: the loop over pieces then has one trip);
 "out" where O_n is formed: "kernel" (`_output_kernel`, from the stored S_n and U_n), "state" (in the state pass,
-which then stores S_n and U_n only for a backward) or "auto" (`fuse_output`; its dots' operands: `out_dots`);
-"pieces" the runs of chunks the forward launches its kernels in, overlapping one piece's state pass with the next
-one's intra-chunk kernels on a GPU (1, or "auto": `forward_pieces`).
+which then stores S_n and U_n only for a backward) or "auto" (`fuse_output`; its dots' operands: `out_dots`).
 (The name: the third forward design; docs/performance.md#kda has the earlier two.)"""
 
 
@@ -687,9 +685,6 @@ def _check_v3() -> None:
                "strips_qkd": (True, False), "scratch": ("16", "fp32"), "states": ("16", "fp32"),
                "output_bk": (None, 16, 32, 64, 128, 256), "out": ("kernel", "state", "auto")}
     bad = {n: V3[n] for n, ok in allowed.items() if V3[n] not in ok}
-    if V3["pieces"] != "auto" and not (isinstance(V3["pieces"], int) and V3["pieces"] >= 1):
-        bad["pieces"] = V3["pieces"]
-        allowed["pieces"] = '"auto" or an int >= 1'
     if bad:
         raise ValueError(f"kda_triton.V3: {bad} not among {({n: allowed[n] for n in bad})}")
 
@@ -718,16 +713,14 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     _check(q, k, v, g, beta, None, reset, chunk_size, "kda_intra_triton")
     x, launch = _intra_prepare(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=inverse,
                                scratch=scratch)
-    launch(0, x["w"].shape[1])
+    launch()
     return _intra_done(x, inverse)
 
 
 def _intra_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None, *, scale: float,
                    chunk_size: int, inverse: bool, scratch: torch.dtype):
-    """`kda_intra_triton` in two steps (checked inputs): its scratch, allocated here, and `launch(n0, n1)`, which
-    runs its kernels over chunks n0..n1−1 (each chunk's quantities depend on that chunk's tokens alone, so the
-    chunks may be launched in pieces, on any stream, once the allocations here are ordered before them); then
-    `_intra_done`."""
+    """`kda_intra_triton` in two steps (checked inputs): its scratch, allocated here, and `launch()`, which
+    runs its kernels; then `_intra_done`."""
     if scratch not in (torch.float32, torch.bfloat16):
         raise ValueError(f"kda_intra_triton: scratch={scratch} must be float32 or bfloat16")
     B, T, H, K = q.shape
@@ -756,21 +749,21 @@ def _intra_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, res
         solve["SOLVE"] = V3["solve_dots"]
     options = dict(V3)   # as at the call, for launches made later
 
-    def launch(n0: int, n1: int) -> None:
-        grid = ((n1 - n0) * (C // SUB_CHUNK), R)
+    def launch() -> None:
+        grid = (N * (C // SUB_CHUNK), R)
         if v6:
             bg = min(_pow2(K), 64)
-            _gamma_kernel[(n1 - n0, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, n0, C=C, BK=bg, num_warps=4)
-            _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N, n0,
+            _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
+            _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
                                   float(scale), BK=min(_pow2(K), options["block_k6"]),
                                   num_warps=options["strip_warps"], QKD=options["strips_qkd"], **blocks)
         else:
-            _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N, n0,
+            _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N,
                                   float(scale), BK=min(_pow2(K), 16 if ieee else options["block_k4"]),
                                   num_warps=4 if ieee else options["strip_warps"], **blocks)
-        _solve3_kernel[(n1 - n0, R)](
+        _solve3_kernel[(N, R)](
             q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"], x.get("R", x["M"]), T, H, K, V,
-            N, n0, float(scale), BK=cfg["BKW"], BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1,
+            N, float(scale), BK=cfg["BKW"], BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1,
             LEVELS=C.bit_length() - 1, INVERSE=inverse, QKD=v6 and not options["strips_qkd"], GAMMA=v6,
             num_warps=options["solve_warps"] or cfg["num_warps"] if not ieee else cfg["num_warps"], **solve)
     return x, launch
@@ -787,8 +780,7 @@ def _intra_done(x: dict[str, Tensor], inverse: bool) -> dict[str, Tensor]:
 def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, *,
                 s0: Tensor | None, identity: bool, with_u: bool, states: Tensor | None = None,
                 block_v: int | str | None = None, launch: dict | None = None, dots: str | None = None,
-                U: Tensor | None = None, out: Tensor | None = None, chunks: tuple[int, int] | None = None,
-                sN: Tensor | None = None) -> Tensor:
+                U: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """Run `_state_kernel` over the scratch `x` of `kda_intra_triton`; returns the final state [B, H, K, V].
     `states` [R, N, K, V]: also store the state entering every chunk there, and U_n = u_n − w_n S_n into `U` (of
     u's shape, `u_out_buffer`) or else over x["u"].
@@ -796,15 +788,11 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
     picks them, the launch and the dots by the shape); launch: num_warps and num_stages over `state_config`'s; dots:
     the operands of its two dots for 16-bit inputs (None: `PRECISION["state"]`; "x2", "x2n" and "16" need bf16 w
     and k̃, `_dot`). out [B, T, H, V]: also O_n = q̃_n S_n + Aqk_n U_n into it from the pass's registers (the work of
-    `_output_pass`, which is then not needed), its dots' operands `out_dots`'s. chunks (n0, n1): only chunks
-    n0..n1−1, from s0 (the state entering n0) to the state leaving n1 − 1 (the default: all). sN: where to write the
-    final state (else a new tensor)."""
+    `_output_pass`, which is then not needed), its dots' operands `out_dots`'s."""
     R, N, C = x["w"].shape[:3]
     scratch = x["w"].dtype if x["w"].dtype == x["kd"].dtype else torch.float32
     cfg, prec = state_launch(R, K, V, dtype, scratch, x["w"].device, block_v=block_v, launch=launch, dots=dots)
-    n0, n1 = chunks if chunks is not None else (0, N)
-    if sN is None:
-        sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
+    sN = torch.empty(B, H, K, V, dtype=torch.float32, device=x["w"].device)
     s0_ptr = s0.contiguous() if s0 is not None else sN
     mode = 2 if identity else (1 if s0 is not None else 0)
     fused = {}
@@ -812,7 +800,7 @@ def _state_pass(x: dict[str, Tensor], B: int, T: int, H: int, K: int, V: int, dt
         fused = dict(qd_ptr=x["qd"], A_ptr=x["A"], o_ptr=out, T=T, H=H, OUT=out_dots(x, dtype, prec))
     _state_kernel[(R, triton.cdiv(V, cfg["BV"]))](
         x["w"], x["u"], x["kd"], x["d"], s0_ptr, sN, states if states is not None else sN,
-        U if U is not None else x["u"], K, V, N, n0, n1, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u,
+        U if U is not None else x["u"], K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], S0=mode, HAS_U=with_u,
         STORE=states is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fused, **prec)
     return sN
 
@@ -926,100 +914,31 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32,
                              device=q.device)
         U = u_out_buffer(x)
-    bounds = piece_bounds(N, forward_pieces(R, V, N, q.dtype, scratch, q.device))
-    finals = [torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) for _ in bounds]
-    s0 = initial_state.contiguous() if initial_state is not None else None
+    launch()
     opts = dict(identity=False, with_u=True, states=states, U=U, out=o if fuse else None,
                 **forward_state_options(q.dtype, scratch))
-    if len(bounds) == 1 or q.device.type != "cuda":
-        for chunks, sN in zip(bounds, finals):
-            launch(*chunks)
-            s0 = _state_pass(x, B, T, H, K, V, q.dtype, s0=s0, chunks=chunks, sN=sN, **opts)
-            if not fuse:
-                _output_pass(x, states, o, q.dtype, U=U, chunks=chunks)
-    else:
-        # piece p's intra-chunk kernels and then piece p − 1's outputs on one stream, the state passes in order on a
-        # high-priority one, each once its piece is ready (an event is waited for only after it is recorded)
-        main = torch.cuda.current_stream(q.device)
-        side, high = _streams(q.device)
-        side.wait_stream(main)
-        high.wait_stream(main)
-        passed = []
-        for p, (chunks, sN) in enumerate(zip(bounds, finals)):
-            with torch.cuda.stream(side):
-                launch(*chunks)
-                ready = side.record_event()
-                if not fuse and p > 0:
-                    side.wait_event(passed[p - 1])
-                    _output_pass(x, states, o, q.dtype, U=U, chunks=bounds[p - 1])
-            with torch.cuda.stream(high):
-                high.wait_event(ready)
-                s0 = _state_pass(x, B, T, H, K, V, q.dtype, s0=s0, chunks=chunks, sN=sN, **opts)
-                passed.append(high.record_event())
-        if not fuse:
-            with torch.cuda.stream(side):
-                side.wait_event(passed[-1])
-                _output_pass(x, states, o, q.dtype, U=U, chunks=bounds[-1])
-        main.wait_stream(high)
-        main.wait_stream(side)
+    sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, **opts)
+    if not fuse:
+        _output_pass(x, states, o, q.dtype, U=U)
     x = _intra_done(x, residuals)
     if U is not None:   # U_n replaces u from here on
         x["u"] = U
-    return (o, finals[-1], x, states) if residuals else (o, finals[-1])
+    return (o, sN, x, states) if residuals else (o, sN)
 
 
-def forward_pieces(R: int, V: int, N: int, dtype: torch.dtype, scratch: torch.dtype, device: torch.device) -> int:
-    """How many pieces of chunks the forward runs its kernels in (`V3["pieces"]`; "auto": by the shape): the intra-
-    chunk kernels of piece p + 1 then run while the state pass walks piece p, on two CUDA streams (the pass's of
-    high priority), where the pass alone would leave the SMs mostly idle: 16-bit inputs with bf16 scratch where
-    `_auto_state` runs at most one program an SM, 4 pieces of at least 8 chunks. At most N."""
-    p = V3["pieces"]
-    if p == "auto":
-        p = 1
-        if dtype in _DT16 and scratch == torch.bfloat16 and V3["state_block"] == "auto" and device.type == "cuda":
-            if R * triton.cdiv(V, _auto_state(R, V, device)[0]) <= sm_count(device):
-                p = auto_pieces(N)
-    return max(1, min(p, N))
-
-
-def auto_pieces(N: int) -> int:
-    """The pieces "auto" takes where they apply, forward and backward: 4 of at least 8 chunks."""
-    return max(1, min(4, N // 8))
-
-
-def piece_bounds(N: int, pieces: int) -> list[tuple[int, int]]:
-    """Chunks 0..N−1 in `pieces` runs of as equal length as can be: [(n0, n1), ...]."""
-    edges = [N * i // pieces for i in range(pieces + 1)]
-    return list(zip(edges[:-1], edges[1:]))
-
-
-_STREAMS: dict[int, tuple] = {}
-
-
-def _streams(device: torch.device) -> tuple:
-    """Two CUDA streams of `device` (made once) for the pieces of the forward and the backward: one of default
-    priority for the chunk-parallel kernels, one of high priority for the state passes, whose programs then take
-    an SM first when one frees."""
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _STREAMS:   # priority −1: high (lower numbers are higher; 0 the default)
-        _STREAMS[i] = (torch.cuda.Stream(device=i), torch.cuda.Stream(device=i, priority=-1))
-    return _STREAMS[i]
-
-
-def _output_pass(x: dict[str, Tensor], states: Tensor, o: Tensor, dtype: torch.dtype, *, U: Tensor | None = None,
-                 chunks: tuple[int, int] | None = None) -> None:
+def _output_pass(x: dict[str, Tensor], states: Tensor, o: Tensor, dtype: torch.dtype, *,
+                 U: Tensor | None = None) -> None:
     """O_n = q̃_n S_n + Aqk_n U_n into o [B, T, H, V] (`_output_kernel`), from the scratch `x` after a state pass
-    that stored S_n into `states` [R, N, K, V] and U_n into `U` (None: over x["u"]); chunks (n0, n1): only those."""
+    that stored S_n into `states` [R, N, K, V] and U_n into `U` (None: over x["u"])."""
     R, N, C, K = x["qd"].shape
     B, T, H, V = o.shape
     U = U if U is not None else x["u"]
-    n0, n1 = chunks if chunks is not None else (0, N)
     cfg = output_config(K, V, ieee=dtype not in _DT16)
     dots = _dots(dtype, "state")
     qs = "16" if dtype in _DT16 and x["qd"].dtype == states.dtype == torch.bfloat16 else ""
     au = "16" if dtype in _DT16 and x["A"].dtype == U.dtype == torch.bfloat16 else ""
-    _output_kernel[(n1 - n0, R, triton.cdiv(V, cfg["BV"]))](
-        x["qd"], x["A"], U, states, o, T, H, K, V, N, n0, C=C, BK=cfg["BK"], BV=cfg["BV"], QS=qs, AU=au,
+    _output_kernel[(N, R, triton.cdiv(V, cfg["BV"]))](
+        x["qd"], x["A"], U, states, o, T, H, K, V, N, C=C, BK=cfg["BK"], BV=cfg["BV"], QS=qs, AU=au,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **dots)
 
 

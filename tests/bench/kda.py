@@ -18,7 +18,7 @@ the project's `Backend(kda="triton")` (the op `kimi::kda_triton`: forward, its t
 forward+backward), the forward with each of `VARIANTS`' options of kda_triton.V3 (`--variants` picking some;
 `--only-variants`: only those; `--rounds`: also their forwards in interleaved rounds, the fair comparison on a GPU
 whose timings drift; `--bwd-variants`: the op's forward+backward under `BWD_VARIANTS`' kda_bwd_triton options, in
-interleaved rounds too; `--v3`, `--bwd-pieces`: options over the defaults for every row of ours) and, with
+interleaved rounds too; `--v3`: options over the defaults for every row of ours) and, with
 `--chunk-triton`, `Backend(kda="chunk_triton")` under torch.compile (minutes of compile).
 
 Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's `fused_recurrent_kda` (state in,
@@ -306,12 +306,7 @@ VARIANTS = {"defaults": {}, "one stage": dict(stages=1), "three stages": dict(st
             "bk16": dict(block_k6=16),
             # where O_n is formed: the output kernel (the default before KDA round 10) or the state pass at every
             # shape (the default "auto": where the pass is one program an SM in at most four column blocks)
-            "out-kernel": dict(out="kernel"), "out-state": dict(out="state"),
-            # the forward in pieces of chunks: a piece's state pass beside the next one's intra-chunk kernels
-            "pieces-2": dict(pieces=2), "pieces-4": dict(pieces=4), "pieces-8": dict(pieces=8),
-            "pieces-auto": dict(pieces="auto"), "pieces-4-kernel": dict(pieces=4, out="kernel"),
-            # the 32-column pass at two stages: 147 KB of shared memory with O_n against 221, room beside it
-            "pieces-4-2s": dict(pieces=4, state_block=32, state_dots="x2n", state_warps=8, state_stages=2)}
+            "out-kernel": dict(out="kernel"), "out-state": dict(out="state")}
 
 
 def kernel_rows(x: dict, T: int, H: int, D: int, scale: float, row, name: str) -> None:
@@ -502,20 +497,16 @@ def main() -> None:
                     help="also time the named --variants' forwards in this many interleaved rounds (medians)")
     ap.add_argument("--v3", nargs="*", default=[], metavar="KEY=VALUE",
                     help="kda_triton.V3 options over the defaults for every row of ours (Python literals: "
-                         "out=kernel pieces=4)")
+                         "out=kernel block_k6=16)")
     ap.add_argument("--bwd-variants", nargs="*", default=None, metavar="NAME",
                     help=f"also time the op's forward+backward under these of {list(BWD_VARIANTS)} (kda_bwd_triton "
                          "options) in --rounds interleaved rounds (default 3)")
-    ap.add_argument("--bwd-pieces", default=None, help="kda_bwd_triton.PIECES for every row of ours (an int or auto)")
     a = ap.parse_args()
     try:
         from kimi.ops import kda_triton as kt
         kt.V3.update(parse_v3(a.v3))
     except ValueError as e:
         ap.error(f"--v3 {e}")
-    if a.bwd_pieces is not None:
-        from kimi.ops import kda_bwd_triton as kb
-        kb.PIECES = a.bwd_pieces if a.bwd_pieces == "auto" else int(a.bwd_pieces)
     unknown_bwd = [v for v in a.bwd_variants or () if v not in BWD_VARIANTS]
     if unknown_bwd:
         ap.error(f"--bwd-variants {unknown_bwd}: not among {list(BWD_VARIANTS)}")
@@ -526,8 +517,7 @@ def main() -> None:
         ap.error("--rounds times the named --variants or --bwd-variants: name at least one")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"
-          f"{', V3 ' + ' '.join(a.v3) if a.v3 else ''}"
-          f"{', backward pieces ' + a.bwd_pieces if a.bwd_pieces else ''}", flush=True)
+          f"{', V3 ' + ' '.join(a.v3) if a.v3 else ''}", flush=True)
     chunk_kda, fused_recurrent_kda = fla_module()
     if a.no_fla_chunk:
         chunk_kda = None

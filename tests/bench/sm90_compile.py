@@ -215,7 +215,7 @@ def _kda_intra(name, sc, inverse):
     x = BF if name == "bf16" else F32
     prec, common = _kda_prec(name)
     c = kt.solve_config(KDA_C, KDA_D, KDA_D, ieee=name == "fp32")
-    scalars = dict(T=T, H=H, K=KDA_D, V=KDA_D, N=KDA_N, N0=0, scale=0.1)
+    scalars = dict(T=T, H=H, K=KDA_D, V=KDA_D, N=KDA_N, scale=0.1)
     blocks = dict(C=KDA_C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
     s16 = name == "bf16" and sc == BF
     a_ptr = BF if s16 and kt.V3["a16"] else F32
@@ -223,20 +223,20 @@ def _kda_intra(name, sc, inverse):
     qkd_strips = not v6 or kt.V3["strips_qkd"]
     if v6:
         yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
-                                                        dict(T=T, H=H, K=KDA_D, N=KDA_N, N0=0), dict(C=KDA_C, BK=64),
+                                                        dict(T=T, H=H, K=KDA_D, N=KDA_N), dict(C=KDA_C, BK=64),
                                                         num_warps=4)
         bk, warps = kt.V3["block_k6"], kt.V3["strip_warps"]
         yield f"kda _strips6_kernel {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
             kt._strips6_kernel, dict(q_ptr=x, k_ptr=x, beta_ptr=F32, reset_ptr=I32, r_ptr=F32, A_ptr=a_ptr, M_ptr=F32,
                                      qd_ptr=sc, kd_ptr=sc, d_ptr=F32),
-            {n: scalars[n] for n in ("T", "H", "K", "N", "N0", "scale")},
+            {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
             dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd_strips, **blocks), num_warps=warps, num_stages=c["num_stages"])
     else:
         bk, warps = (kt.V3["block_k4"], kt.V3["strip_warps"]) if name == "bf16" else (16, 4)
         yield f"kda _strips4_kernel {name}, scratch {sc[1:]}, BK={bk} warps={warps}", report(
             kt._strips4_kernel, dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, qd_ptr=sc, kd_ptr=sc,
                                      A_ptr=a_ptr, M_ptr=F32, d_ptr=F32),
-            {n: scalars[n] for n in ("T", "H", "K", "N", "N0", "scale")}, dict(BK=bk, PAIR=prec["PAIR"], **blocks),
+            {n: scalars[n] for n in ("T", "H", "K", "N", "scale")}, dict(BK=bk, PAIR=prec["PAIR"], **blocks),
             num_warps=warps, num_stages=c["num_stages"])
     ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=sc,
                 u_ptr=BF if s16 and kt.V3["u16"] is True else F32, qd_ptr=sc, kd_ptr=sc, d_ptr=F32, M_ptr=F32,
@@ -259,7 +259,7 @@ def _kda_state(name, sc, options):
                 h_ptr=sc, U_ptr=sc if kt.V3["u16"] else F32)
     consts = dict(C=KDA_C, BK=c["BK"], BV=c["BV"], S0=1, HAS_U=True, STORE=True, STATE=prec["STATE"], **common)
     return f"kda state pass (S_n, U_n) {name}, w/k~/S_n {sc[1:]} {c} dots {prec['STATE']}", report(
-        kt._state_kernel, ptrs, dict(K=KDA_D, V=KDA_D, N=KDA_N, N0=0, N1=KDA_N), consts, num_warps=c["num_warps"],
+        kt._state_kernel, ptrs, dict(K=KDA_D, V=KDA_D, N=KDA_N), consts, num_warps=c["num_warps"],
         num_stages=c["num_stages"])
 
 
@@ -278,7 +278,7 @@ def kda_fwd():
         yield f"kda output {name}, q~/S_n {sc[1:]} {c}", report(
             kt._output_kernel, dict(qd_ptr=sc, A_ptr=sc if kt.V3["a16"] else F32,
                                     U_ptr=sc if kt.V3["u16"] else F32, h_ptr=sc, o_ptr=x),
-            dict(T=T, H=H, K=KD, V=KD, N=N, N0=0), dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"],
+            dict(T=T, H=H, K=KD, V=KD, N=N), dict(C=C, BK=c["BK"], BV=c["BV"], STATE=prec["STATE"],
                                                   QS="16" if name == "bf16" else "",
                                                   AU="16" if name == "bf16" and kt.V3["u16"] and kt.V3["a16"] else "",
                                                   **common),
@@ -308,7 +308,7 @@ def kda_bwd():
                     dL_ptr=pair, dAd_ptr=F32, dbv_ptr=F32, dv_ptr=x)
         consts = dict(C=C, BV=c["BV"], HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], **common)
         yield f"kda bwd dAqk/dL/dv {name} {c}", report(kb._bwd_dav_kernel, ptrs,
-                                                       dict(T=T, H=H, V=KD, N=N, N0=0, scale=0.1), consts,
+                                                       dict(T=T, H=H, V=KD, N=N, scale=0.1), consts,
                                                        num_warps=c["num_warps"], num_stages=c["num_stages"])
         c = kb.dqkg_config(C, KD, KD, ieee=name == "fp32")
         ptrs = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=F32, h_ptr=F32,
@@ -317,7 +317,7 @@ def kda_bwd():
         consts = dict(C=C, BC=kt.SUB_CHUNK, BK=c["BK"], BV=c["BV"], HAS_RESET=True, WIDE=False, SPLIT=False, **prec,
                       **common)
         yield f"kda bwd dq/dk/dg {name} {c}", report(kb._bwd_dqkg_kernel, ptrs,
-                                                     dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, scale=0.1), consts,
+                                                     dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts,
                                                      num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
@@ -327,7 +327,7 @@ def kda_fwd_v4():
     `_strips6_kernel` by key pieces, with q~ / k~ / d or not, the solve reading Γ·log2 e), the state pass with
     "x2" / "16" dots by columns, warps and stages."""
     N, C, KD = KDA_N, KDA_C, KDA_D
-    scalars = dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, scale=0.1)
+    scalars = dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1)
     for name in ("bf16", "fp32"):
         x = BF if name == "bf16" else F32
         prec, common = _kda_prec(name)
@@ -336,7 +336,7 @@ def kda_fwd_v4():
         sp = dict(q_ptr=x, k_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, qd_ptr=x, kd_ptr=x, A_ptr=F32, M_ptr=F32,
                   d_ptr=F32)
         yield f"kda _strips4_kernel {name} BK={bk} warps={warps}", report(
-            kt._strips4_kernel, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "N0", "scale")},
+            kt._strips4_kernel, sp, {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
             dict(BK=bk, PAIR=prec["PAIR"], **blocks), num_warps=warps, num_stages=1)
         ptrs = dict(q_ptr=x, k_ptr=x, v_ptr=x, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=x, u_ptr=F32,
                     qd_ptr=x, kd_ptr=x, d_ptr=F32, M_ptr=F32, r_ptr=F32)
@@ -347,13 +347,13 @@ def kda_fwd_v4():
     prec, common = _kda_prec("bf16")
     blocks = dict(C=C, BC=kt.SUB_CHUNK, HAS_RESET=True, SOLVE=prec["SOLVE"], **common)
     yield "kda _gamma_kernel BK=64 warps=4", report(kt._gamma_kernel, dict(g_ptr=F32, r_ptr=F32),
-                                                    dict(T=T, H=H, K=KD, N=N, N0=0), dict(C=C, BK=64), num_warps=4)
+                                                    dict(T=T, H=H, K=KD, N=N), dict(C=C, BK=64), num_warps=4)
     for bk, qkd, a16 in ((32, False, False), (64, False, False), (32, True, True)):
         label = f"kda _strips6_kernel bf16 BK={bk} warps=4{', q~ k~ d' if qkd else ''}, Aqk {'bf16' if a16 else 'fp32'}"
         yield label, \
             report(kt._strips6_kernel, dict(q_ptr=BF, k_ptr=BF, beta_ptr=F32, reset_ptr=I32, r_ptr=F32,
                                             A_ptr=BF if a16 else F32, M_ptr=F32, qd_ptr=BF, kd_ptr=BF, d_ptr=F32),
-                   {n: scalars[n] for n in ("T", "H", "K", "N", "N0", "scale")},
+                   {n: scalars[n] for n in ("T", "H", "K", "N", "scale")},
                    dict(BK=bk, PAIR=prec["PAIR"], QKD=qkd, **blocks), num_warps=4, num_stages=2)
     for qkd, u in ((True, F32), (False, F32), (False, BF)):
         ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, w_ptr=BF, u_ptr=u,
@@ -367,7 +367,7 @@ def kda_fwd_v4():
         yield f"kda state pass bf16, dots {dots}, {bv} columns, {warps} warps, {stages} stages", report(
             kt._state_kernel, dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=BF,
                                    U_ptr=BF),
-            dict(K=KD, V=KD, N=N, N0=0, N1=N),
+            dict(K=KD, V=KD, N=N),
             dict(C=C, BK=KD, BV=bv, S0=1, HAS_U=True, STORE=True, STATE=dots, **common), num_warps=warps,
             num_stages=stages)
     # O_n formed in the pass (`V3["out"]`): the forward alone (nothing stored) and with S_n, U_n kept for a backward
@@ -378,7 +378,7 @@ def kda_fwd_v4():
                f"{bv} columns, {warps} warps, {stages} stages"), report(
             kt._state_kernel, dict(w_ptr=BF, u_ptr=F32, kd_ptr=BF, d_ptr=F32, s0_ptr=F32, sN_ptr=F32, h_ptr=BF,
                                    U_ptr=BF, qd_ptr=BF, A_ptr=BF, o_ptr=BF),
-            dict(K=KD, V=KD, N=N, N0=0, N1=N, T=T, H=H),
+            dict(K=KD, V=KD, N=N, T=T, H=H),
             dict(C=C, BK=KD, BV=bv, S0=1, HAS_U=True, STORE=store, STATE=dots, OUT=out, **common), num_warps=warps,
             num_stages=stages)
 
@@ -400,7 +400,7 @@ def kda_bwd_saved():
                       **common)
         yield (f"kda reverse state pass (own) bf16, {bv} columns, {warps} warps, {stages} stages, q~ dO "
                f"{'bf16' if qd16 else 'tf32'}, dS {dh[1:]}"), report(
-            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, N1=N), consts, num_warps=warps,
+            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=warps,
             num_stages=stages)
     # `REVERSE["dots"]` "x2n" launches
     for bv, warps, stages in ((16, 4, 2), (16, 4, 1), (16, 8, 2), (64, 4, 2), (8, 4, 2), (32, 8, 2), (32, 4, 2)):
@@ -409,7 +409,7 @@ def kda_bwd_saved():
         consts = dict(C=C, BK=KD, BV=bv, HAS_DSN=True, HAS_DH0=True, QD16=False, STATE=prec["STATE"], CHAIN="x2n",
                       **common)
         yield f"kda reverse state pass (own) bf16, x2n dots, {bv} columns, {warps} warps, {stages} stages", report(
-            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, N1=N), consts, num_warps=warps,
+            kb._state_bwd2_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N), consts, num_warps=warps,
             num_stages=stages)
     for name in ("bf16", "fp32"):
         x = BF if name == "bf16" else F32
@@ -429,7 +429,7 @@ def kda_bwd_saved():
                           **common)
             yield (f"kda bwd dq/dk/dg {name}, {'wide' if wide else 'batched'}{', state terms split' if split else ''}"
                    f", BK={bk}, {warps} warps"), report(
-                kb._bwd_dqkg_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, scale=0.1), consts, num_warps=warps,
+                kb._bwd_dqkg_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts, num_warps=warps,
                 num_stages=1)
     prec, common = _kda_prec("bf16")
     ptrs = dict(q_ptr=BF, k_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=U16, h_ptr=BF,
@@ -437,7 +437,7 @@ def kda_bwd_saved():
     for bk, bv, warps in ((64, 64, 8), (32, 64, 4)):
         consts = dict(C=C, BK=bk, BV=bv, HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], **common)
         yield f"kda bwd state terms (`_bwd_state_kernel`) bf16, BK={bk}, BV={bv}, {warps} warps", report(
-            kb._bwd_state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, N0=0, scale=0.1), consts, num_warps=warps,
+            kb._bwd_state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts, num_warps=warps,
             num_stages=1)
 
 
