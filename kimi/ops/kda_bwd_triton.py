@@ -122,9 +122,11 @@ if triton is not None:
     def _bwd_dav_kernel(v_ptr, beta_ptr, reset_ptr, M_ptr, U_ptr, dU_ptr, do_ptr, dA_ptr, dL_ptr, dAd_ptr, dbv_ptr,
                         dv_ptr, T, H, V, N, scale,
                         C: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr, SOLVE: tl.constexpr,
-                        STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+                        STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr, OU16: tl.constexpr = False):
         # program (chunk n, row bh). Writes dAqk·s and dL [R, N, C, C] (their pointers'
         # dtype, zero off the pattern), the diagonal of dAqk·s and Σ_v dR_u ⊙ v [R, N, C] fp32, and dv [B, T, H, V].
+        # OU16: dO Uᵀ on 16-bit operands (dO and U_n both stored in 16 bits: the products are the TF32 ones).
+        PA: tl.constexpr = "16" if OU16 else STATE
         n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         rows = tl.arange(0, C)
@@ -140,9 +142,9 @@ if triton is not None:
             mv = vv[None, :] < V
             U = tl.load(U_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
             dU = tl.load(dU_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
-            do = tl.load(do_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
+            do = tl.load(do_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0)
             v = tl.load(v_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
-            dA = _dot(do, tl.trans(U), dA, STATE, DT, EMULATE)
+            dA = _dot(do, tl.trans(U), dA, PA, DT, EMULATE)
             dR = _dot(Mt, dU, tl.zeros([C, BV], dtype=tl.float32), SOLVE, DT, EMULATE)
             dL = _dot(dR, tl.trans(U), dL, SOLVE, DT, EMULATE)
             db += tl.sum(dR * v, 1)
@@ -163,10 +165,12 @@ if triton is not None:
     def _bwd_state_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, reset_ptr, M_ptr, U_ptr, h_ptr, dh_ptr, dU_ptr, do_ptr,
                           dqs_ptr, dks_ptr, dgs_ptr, dbs_ptr, T, H, K, V, N, scale, C: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, HAS_RESET: tl.constexpr, SOLVE: tl.constexpr,
-                          STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+                          STATE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr, SU16: tl.constexpr = False):
         # program (key block kb, chunk n, row bh): the terms of dq, dk, dg and dβ through the state (dq̃ = dO S_nᵀ,
         # dk̃ = U dS_{n+1}ᵀ, dR_w = −(I + L)⁻ᵀ dU S_nᵀ, dd), `_bwd_dqkg_kernel`'s "through the state" for wider key
-        # blocks, into dqs, dks, dgs fp32 [B, T, H, K] and dbs [K / BK, R, N, C] for its SPLIT.
+        # blocks, into dqs, dks, dgs fp32 [B, T, H, K] and dbs [K / BK, R, N, C] for its SPLIT. SU16: dO S_nᵀ and
+        # U dS_{n+1}ᵀ on 16-bit operands (S_n, dS_{n+1}, U_n and dO all stored in 16 bits: the TF32 products).
+        PS: tl.constexpr = "16" if SU16 else STATE
         kb = tl.program_id(0)
         n = tl.program_id(1)
         bh = tl.program_id(2).to(tl.int64)
@@ -196,9 +200,9 @@ if triton is not None:
             dS = tl.load(dh_ptr + (st * K + kk[:, None]) * V + vv[None, :], mask=m_kv, other=0.0)
             U = tl.load(U_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
             dU = tl.load(dU_ptr + out[:, None] * V + vv[None, :], mask=mv, other=0.0)
-            do = tl.load(do_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0).to(tl.float32)
-            dqd = _dot(do, tl.trans(S), dqd, STATE, DT, EMULATE)
-            dkd = _dot(U, tl.trans(dS), dkd, STATE, DT, EMULATE)
+            do = tl.load(do_ptr + tok[:, None] * V + vv[None, :], mask=valid[:, None] & mv, other=0.0)
+            dqd = _dot(do, tl.trans(S), dqd, PS, DT, EMULATE)
+            dkd = _dot(U, tl.trans(dS), dkd, PS, DT, EMULATE)
             dw = _dot(dU, tl.trans(S), dw, STATE, DT, EMULATE)
             dd += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
         Mt = tl.trans(tl.load(M_ptr + out[:, None] * C + rows[None, :]))
@@ -392,10 +396,21 @@ side, the anchors the batch: [C/BC, BC, C] x [C/BC, C, BK]) or "wide" (the ancho
 [C, C] x [C, C/BC · BK] dot per side, each row reading its own anchor's columns; the dots multiply C/BC times the
 terms, as single wide tensor-core dots; with IEEE dots, fp32 inputs' parity path, the wide operands spill)."""
 
-STATE_TERMS = {"split": True, "block_k": 64, "block_v": 64, "num_warps": 8}
+BF16_OPERANDS = True
+"""The backward's chunk-parallel dots whose operands are all stored in bf16 (dO Uᵀ in `_bwd_dav_kernel`; dO S_nᵀ,
+U dS_{n+1}ᵀ in `_bwd_state_kernel`) on bf16 operands rather than `PRECISION["state"]`'s TF32: the same products (a
+bf16 value is exact in TF32) at twice the tensor-core rate, half the shared memory (False: TF32, as before)."""
+
+
+def b16(*ts: Tensor) -> bool:
+    """Whether every tensor is stored in bf16."""
+    return all(t.dtype == torch.bfloat16 for t in ts)
+
+
+STATE_TERMS = {"split": True, "block_k": 64, "block_v": 64, "num_warps": 8, "num_stages": 1}
 """The terms of dq, dk, dg, dβ through the state: inside `_bwd_dqkg_kernel` (per 16 key channels, "split" False),
 or in their own launch (`_bwd_state_kernel`, "block_k" key channels and "block_v" value channels a step,
-"num_warps"; 16-bit inputs), which `_bwd_dqkg_kernel` then adds from fp32 scratch (dq, dk, dg [B, T, H, K]):
+"num_warps", "num_stages"; 16-bit inputs), which `_bwd_dqkg_kernel` then adds from fp32 scratch (dq, dk, dg [B, T, H, K]):
 its programs no longer re-read U_n, dU, dO and (I + L)⁻¹ for every 16 key channels."""
 
 REVERSE = {"kernel": "v3", "block_v": "auto", "num_warps": None, "num_stages": None, "qd16": False,
@@ -532,8 +547,7 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 
     def reverse_pass():   # chunks N − 1 down to 0, from dsN to dh0
         sms = sm_count(q.device) if q.is_cuda else 132
-        b16 = x["qd"].dtype == x["A"].dtype == do.dtype == torch.bfloat16
-        cfg = reverse_config(K, V, ieee=not s16, rows=R, sms=sms, chain=own and b16)
+        cfg = reverse_config(K, V, ieee=not s16, rows=R, sms=sms, chain=own and b16(x["qd"], x["A"], do))
         args = (x["qd"], x["kd"], x["w"], x["A"], x["d"], do, dsN if dsN is not None else dU, dstates, dU,
                 dh0 if dh0 is not None else dU, T, H, K, V, N)
         launch = dict(C=C, BK=cfg["BK"], BV=cfg["BV"], HAS_DSN=dsN is not None, HAS_DH0=dh0 is not None,
@@ -577,13 +591,13 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     _bwd_dav_kernel[(N, R)](
         v, beta, rst, x["M"], U, dU, do, dA, dL, dA_diag, dbv, dv, T, H, V, N, float(scale), C=C, BV=c["BV"],
         HAS_RESET=reset is not None, num_warps=c["num_warps"], num_stages=c["num_stages"], SOLVE=dots["SOLVE"],
-        STATE=dots["STATE"], DT=dots["DT"], EMULATE=dots["EMULATE"])
+        STATE=dots["STATE"], DT=dots["DT"], EMULATE=dots["EMULATE"], OU16=b16(U, do) and BF16_OPERANDS)
     if split:
         _bwd_state_kernel[(triton.cdiv(K, bks), N, R)](
             q, k, g, beta, rst, x["M"], U, states, dstates, dU, do, dqs, dks, dgs, dbs, T, H, K, V, N, float(scale),
             C=C, BK=bks, BV=min(_pow2(V), STATE_TERMS["block_v"]), HAS_RESET=reset is not None, SOLVE=dots["SOLVE"],
             STATE=dots["STATE"], DT=dots["DT"], EMULATE=dots["EMULATE"], num_warps=STATE_TERMS["num_warps"],
-            num_stages=1)
+            num_stages=STATE_TERMS["num_stages"], SU16=b16(U, do, states, dstates) and BF16_OPERANDS)
         dstates = dU = None   # freed before dq and dk exist: the split's peak is the scratch it adds
     # the key side: dq, dk, dg and dβ's key part
     dq, dk = torch.empty_like(q), torch.empty_like(k)

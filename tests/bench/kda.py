@@ -436,6 +436,18 @@ BWD_VARIANTS = {"defaults": {},
                 # the terms through the state: in their own launch (default) by 32 key channels at 4 warps, or
                 # inside _bwd_dqkg_kernel
                 "state-terms-bk32-4w": {"STATE_TERMS": {"block_k": 32, "num_warps": 4}},
+                "state-terms-bk32-4w-bv32": {"STATE_TERMS": {"block_k": 32, "block_v": 32, "num_warps": 4}},
+                "state-terms-2-stages": {"STATE_TERMS": {"num_stages": 2}},
+                "state-terms-bk32-4w-2-stages": {"STATE_TERMS": {"block_k": 32, "num_warps": 4, "num_stages": 2}},
+                "state-terms-bv32": {"STATE_TERMS": {"block_v": 32}},
+                # the reverse pass's columns: "auto" takes 16 where two programs an SM would hold every program,
+                # but its x2n launch (two stages, 127 KB of shared memory) fits one an SM: 32 heads run two waves
+                "reverse-bv32": {"REVERSE": {"block_v": 32}}, "reverse-bv32-x2n": {"REVERSE": {"block_v": 32,
+                                                                                          "dots": "x2n"}},
+                "reverse-bv32-x2n-8w": {"REVERSE": {"block_v": 32, "dots": "x2n", "num_warps": 8}},
+                "reverse-1-stage": {"REVERSE": {"num_stages": 1}},
+                # dO Uᵀ, dO S_nᵀ, U dS_{n+1}ᵀ on TF32 operands (before KDA round 12) rather than bf16
+                "tf32-operands": {"BF16_OPERANDS": False},
                 "state-terms-in-dqkg": {"STATE_TERMS": {"split": False}}}
 """Options of kda_bwd_triton (module attributes; a dict value updates that attribute's dict) for
 `--bwd-variants`."""

@@ -433,12 +433,24 @@ def kda_bwd_saved():
                 num_stages=1)
     prec, common = _kda_prec("bf16")
     ptrs = dict(q_ptr=BF, k_ptr=BF, g_ptr=F32, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=U16, h_ptr=BF,
-                dh_ptr=F32, dU_ptr=F32, do_ptr=BF, dqs_ptr=F32, dks_ptr=F32, dgs_ptr=F32, dbs_ptr=F32)
-    for bk, bv, warps in ((64, 64, 8), (32, 64, 4)):
-        consts = dict(C=C, BK=bk, BV=bv, HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], **common)
-        yield f"kda bwd state terms (`_bwd_state_kernel`) bf16, BK={bk}, BV={bv}, {warps} warps", report(
+                dh_ptr=BF, dU_ptr=F32, do_ptr=BF, dqs_ptr=F32, dks_ptr=F32, dgs_ptr=F32, dbs_ptr=F32)
+    for bk, bv, warps, stages, su16 in ((64, 64, 8, 1, False), (64, 64, 8, 1, True), (32, 64, 4, 1, True),
+                                        (64, 64, 8, 2, True), (32, 64, 4, 2, True)):
+        consts = dict(C=C, BK=bk, BV=bv, HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], SU16=su16,
+                      **common)
+        yield (f"kda bwd state terms (`_bwd_state_kernel`) bf16, BK={bk}, BV={bv}, {warps} warps, {stages} stages"
+               f"{', bf16 operands' if su16 else ''}"), report(
             kb._bwd_state_kernel, ptrs, dict(T=T, H=H, K=KD, V=KD, N=N, scale=0.1), consts, num_warps=warps,
-            num_stages=1)
+            num_stages=stages)
+    c = kb.dav_config(C, KD, ieee=False)
+    pair = BF if prec["PAIR"] == "16" else F32
+    ptrs = dict(v_ptr=BF, beta_ptr=F32, reset_ptr=I32, M_ptr=F32, U_ptr=U16, dU_ptr=F32, do_ptr=BF, dA_ptr=pair,
+                dL_ptr=pair, dAd_ptr=F32, dbv_ptr=F32, dv_ptr=BF)
+    for ou16 in (False, True):
+        consts = dict(C=C, BV=c["BV"], HAS_RESET=True, SOLVE=prec["SOLVE"], STATE=prec["STATE"], OU16=ou16, **common)
+        yield f"kda bwd dAqk/dL/dv (saved) bf16 {c}{', bf16 operands' if ou16 else ''}", report(
+            kb._bwd_dav_kernel, ptrs, dict(T=T, H=H, V=KD, N=N, scale=0.1), consts, num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
 
 
 KERNELS = {"indexer": indexer, "indexer-select": indexer_select, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq,
