@@ -171,10 +171,10 @@ class TrainConfig:
     """With --attn cudnn, the sparse attention forward (`kimi.Backend.sparse_fwd`); auto: FlashMLA where it imports,
     else the Triton kernels."""
     kda: Literal["auto", "recurrent", "chunk", "chunk_opaque", "chunk_triton", "triton"] = "auto"
-    """The KDA core (`kimi.Backend.kda`); auto: 'chunk_triton' on a GPU with Triton (the chunk-to-chunk state pass
-    one kernel each way instead of a scan of small matmuls), 'chunk_opaque' when compiling on the CPU (a fraction of
-    the compile time), 'chunk' otherwise; 'triton': the chunked forward and backward as Triton kernels (bounded
-    gates)."""
+    """The KDA core (`kimi.Backend.kda`); auto: 'triton' (the chunked forward and backward as Triton kernels) on a
+    GPU with Triton for bf16/fp16 activations and K3's bounded gate, 'chunk_triton' there otherwise (the
+    chunk-to-chunk state pass one kernel each way instead of a scan of small matmuls), 'chunk_opaque' when compiling
+    on the CPU (a fraction of the compile time), 'chunk' otherwise."""
     moe: Literal["auto", "dense", "grouped", "gemv"] = "auto"
     """Routed experts (`kimi.Backend.moe`); auto: 'grouped' for float32/bfloat16 micro-batches."""
     mla_form: Literal["auto", "expanded", "absorbed"] = "auto"
