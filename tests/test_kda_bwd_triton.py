@@ -161,12 +161,12 @@ def test_x2n_chain_equals_x2(monkeypatch):
 
 
 def test_bf16_operands_equal_tf32(monkeypatch):
-    """dO Uᵀ, dO S_nᵀ and U dS_{n+1}ᵀ on bf16 operands (kda_bwd_triton.BF16_OPERANDS, the default) form the TF32
+    """dO Uᵀ, dO S_nᵀ and U dS_{n+1}ᵀ on bf16 operands (kda_bwd_triton.BF16_OPERANDS) form the TF32
     dots' products exactly (their operands are stored in bf16), which the interpreter multiplies exactly: the fp32
     gradients (dg, dβ, dh0) agree to summation order, the bf16 ones to an ulp where that tips a rounding; an
     operand read from the wrong tensor or block moves them by O(1)."""
-    x = _inputs(1, 150, 2, 32, 20, "bounded", torch.bfloat16)
-    reset = resets(1, 150, [[70]])
+    x = _inputs(1, 100, 1, 32, 20, "bounded", torch.bfloat16)
+    reset = resets(1, 100, [[70]])
     do, dsN = _bwd_inputs(x, True)
     out = {}
     for bf16 in (True, False):

@@ -396,10 +396,11 @@ side, the anchors the batch: [C/BC, BC, C] x [C/BC, C, BK]) or "wide" (the ancho
 [C, C] x [C, C/BC · BK] dot per side, each row reading its own anchor's columns; the dots multiply C/BC times the
 terms, as single wide tensor-core dots; with IEEE dots, fp32 inputs' parity path, the wide operands spill)."""
 
-BF16_OPERANDS = True
-"""The backward's chunk-parallel dots whose operands are all stored in bf16 (dO Uᵀ in `_bwd_dav_kernel`; dO S_nᵀ,
+BF16_OPERANDS = False
+"""True: the backward's chunk-parallel dots whose operands are all stored in bf16 (dO Uᵀ in `_bwd_dav_kernel`; dO S_nᵀ,
 U dS_{n+1}ᵀ in `_bwd_state_kernel`) on bf16 operands rather than `PRECISION["state"]`'s TF32: the same products (a
-bf16 value is exact in TF32) at twice the tensor-core rate, half the shared memory (False: TF32, as before)."""
+bf16 value is exact in TF32) at twice the tensor-core rate, with fewer wgmma (sm_90 offline compile: 24 against 32
+in `_bwd_state_kernel`). Off until timed on a GPU (docs/performance.md, KDA round 12)."""
 
 
 def b16(*ts: Tensor) -> bool:

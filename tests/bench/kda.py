@@ -446,8 +446,8 @@ BWD_VARIANTS = {"defaults": {},
                                                                                           "dots": "x2n"}},
                 "reverse-bv32-x2n-8w": {"REVERSE": {"block_v": 32, "dots": "x2n", "num_warps": 8}},
                 "reverse-1-stage": {"REVERSE": {"num_stages": 1}},
-                # dO Uᵀ, dO S_nᵀ, U dS_{n+1}ᵀ on TF32 operands (before KDA round 12) rather than bf16
-                "tf32-operands": {"BF16_OPERANDS": False},
+                # dO Uᵀ, dO S_nᵀ, U dS_{n+1}ᵀ on bf16 operands (their stored dtype) rather than TF32
+                "bf16-operands": {"BF16_OPERANDS": True},
                 "state-terms-in-dqkg": {"STATE_TERMS": {"split": False}}}
 """Options of kda_bwd_triton (module attributes; a dict value updates that attribute's dict) for
 `--bwd-variants`."""
