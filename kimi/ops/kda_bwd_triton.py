@@ -9,10 +9,10 @@ pass (`kda_triton._state_bwd_kernel`, or `_state_bwd2_kernel` here, which takes 
 
     dU_n = Aqk_nᵀ dO_n + k̃_n dS_{n+1},    dS_n = q̃_nᵀ dO_n + diag(d_n) dS_{n+1} − w_nᵀ dU_n,
 
-storing dS_{n+1} and dU_n (dS_0 is the initial state's gradient). Through the state, dq̃ = dO S_nᵀ, dk̃ = U dS_{n+1}ᵀ, dw = −dU S_nᵀ,
-dd = Σ_v S_n ⊙ dS_{n+1}, dAqk = dO Uᵀ; through the solves X = (I + L)⁻¹ R, dR = (I + L)⁻ᵀ dX, and
-dL = −(dR_w wᵀ + dR_u uᵀ) collapses to −dR_u Uᵀ because u = U + w S_n and dR_w = −dR_u S_nᵀ. The per-chunk token
-gradients are then split in two kernels:
+storing dS_{n+1} and dU_n (dS_0 is the initial state's gradient). Through the state, dq̃ = dO S_nᵀ,
+dk̃ = U dS_{n+1}ᵀ, dw = −dU S_nᵀ, dd = Σ_v S_n ⊙ dS_{n+1}, dAqk = dO Uᵀ; through the solves X = (I + L)⁻¹ R,
+dR = (I + L)⁻ᵀ dX, and dL = −(dR_w wᵀ + dR_u uᵀ) collapses to −dR_u Uᵀ because u = U + w S_n and
+dR_w = −dR_u S_nᵀ. The per-chunk token gradients are then split in two kernels:
 
 1. `_bwd_dav_kernel`, one program per (chunk, sequence × head): the value side. dAqk = s·dO Uᵀ (on Aqk's strict
    pattern, its diagonal apart), dR_u = (I + L)⁻ᵀ dU, dL = −dR_u Uᵀ (on L's pattern), dv = β dR_u and dβ's value
@@ -411,8 +411,8 @@ def b16(*ts: Tensor) -> bool:
 STATE_TERMS = {"split": True, "block_k": 64, "block_v": 64, "num_warps": 8, "num_stages": 1}
 """The terms of dq, dk, dg, dβ through the state: inside `_bwd_dqkg_kernel` (per 16 key channels, "split" False),
 or in their own launch (`_bwd_state_kernel`, "block_k" key channels and "block_v" value channels a step,
-"num_warps", "num_stages"; 16-bit inputs), which `_bwd_dqkg_kernel` then adds from fp32 scratch (dq, dk, dg [B, T, H, K]):
-its programs no longer re-read U_n, dU, dO and (I + L)⁻¹ for every 16 key channels."""
+"num_warps", "num_stages"; 16-bit inputs), which `_bwd_dqkg_kernel` then adds from fp32 scratch (dq, dk, dg
+[B, T, H, K]): its programs no longer re-read U_n, dU, dO and (I + L)⁻¹ for every 16 key channels."""
 
 REVERSE = {"kernel": "v3", "block_v": "auto", "num_warps": None, "num_stages": None, "qd16": False,
            "dstates": "16", "dots": "auto"}

@@ -281,10 +281,11 @@ def main():
     ap.add_argument("--sparse-fwd", default="auto", choices=["auto", "flashmla", "triton", "gather"],
                     help="train.py's --sparse-fwd: the sparse forward under --attn cudnn")
     ap.add_argument("--kda", default="auto", choices=["auto", "chunk", "chunk_opaque", "chunk_triton", "triton"],
-                    help="train.py's --kda (auto: triton on a GPU for bf16 and the bounded gate, else chunk_triton there; "
-                         "on a CPU chunk_opaque compiled, chunk eager); chunk: traced by Inductor, the state pass a scan; chunk_opaque: the KDA chunk core "
-                         "as one opaque op (fast compile); chunk_triton: chunk with the state pass in Triton; triton: "
-                         "the chunked forward and backward as Triton kernels")
+                    help="train.py's --kda (auto: triton on a GPU for bf16 and the bounded gate, else "
+                         "chunk_triton there; on a CPU chunk_opaque compiled, chunk eager); chunk: traced by "
+                         "Inductor, the state pass a scan; chunk_opaque: the KDA chunk core as one opaque op (fast "
+                         "compile); chunk_triton: chunk with the state pass in Triton; triton: the chunked forward "
+                         "and backward as Triton kernels")
     ap.add_argument("--moe", default="auto", choices=["auto", "dense", "grouped", "gemv"],
                     help="train.py's --moe (auto: grouped for float32/bfloat16 micro-batches)")
     ap.add_argument("--accum", type=int, nargs="+", default=[1],
