@@ -546,24 +546,22 @@ def kda_chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     do = do.contiguous()
     dsN = dsN.contiguous() if dsN is not None else None
 
-    def reverse_pass():   # chunks N − 1 down to 0, from dsN to dh0
-        sms = sm_count(q.device) if q.is_cuda else 132
-        cfg = reverse_config(K, V, ieee=not s16, rows=R, sms=sms, chain=own and b16(x["qd"], x["A"], do))
-        args = (x["qd"], x["kd"], x["w"], x["A"], x["d"], do, dsN if dsN is not None else dU, dstates, dU,
-                dh0 if dh0 is not None else dU, T, H, K, V, N)
-        launch = dict(C=C, BK=cfg["BK"], BV=cfg["BV"], HAS_DSN=dsN is not None, HAS_DH0=dh0 is not None,
-                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dots(q.dtype, "state"))
-        grid = (R, triton.cdiv(V, cfg["BV"]))
-        if own:
-            qd16 = REVERSE["qd16"] and x["qd"].dtype == do.dtype == torch.bfloat16
-            _state_bwd2_kernel[grid](*args, QD16=qd16, CHAIN=cfg["CHAIN"], **launch)
-        else:
-            _state_bwd_kernel[grid](*args, **launch)
-
-    if saved is None:   # the forward state pass again (S_n, U_n), then the reverse one
+    if saved is None:   # the forward state pass again (S_n, U_n)
         _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, identity=False, with_u=True, states=states,
                     block_v=V3["state_block"])
-    reverse_pass()
+    # the reverse pass: chunks N − 1 down to 0, from dsN to dh0
+    sms = sm_count(q.device) if q.is_cuda else 132
+    rc = reverse_config(K, V, ieee=not s16, rows=R, sms=sms, chain=own and b16(x["qd"], x["A"], do))
+    args = (x["qd"], x["kd"], x["w"], x["A"], x["d"], do, dsN if dsN is not None else dU, dstates, dU,
+            dh0 if dh0 is not None else dU, T, H, K, V, N)
+    launch = dict(C=C, BK=rc["BK"], BV=rc["BV"], HAS_DSN=dsN is not None, HAS_DH0=dh0 is not None,
+                  num_warps=rc["num_warps"], num_stages=rc["num_stages"], **_dots(q.dtype, "state"))
+    grid = (R, triton.cdiv(V, rc["BV"]))
+    if own:
+        qd16 = REVERSE["qd16"] and b16(x["qd"], do)
+        _state_bwd2_kernel[grid](*args, QD16=qd16, CHAIN=rc["CHAIN"], **launch)
+    else:
+        _state_bwd_kernel[grid](*args, **launch)
     if saved is None:
         del x["w"], x["qd"], x["kd"], x["A"]
     U = x["u"]                                                    # U_n (the state pass wrote it over u)

@@ -711,16 +711,12 @@ def kda_intra_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, r
     [R, N, C, C] fp32 (the backward's)."""
     _check_v3()
     _check(q, k, v, g, beta, None, reset, chunk_size, "kda_intra_triton")
-    x, launch = _intra_prepare(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=inverse,
-                               scratch=scratch)
-    launch()
-    return _intra_done(x, inverse)
+    return _intra(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=inverse, scratch=scratch)
 
 
-def _intra_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None, *, scale: float,
-                   chunk_size: int, inverse: bool, scratch: torch.dtype):
-    """`kda_intra_triton` in two steps (checked inputs): its scratch, allocated here, and `launch()`, which
-    runs its kernels; then `_intra_done`."""
+def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, reset: Tensor | None, *, scale: float,
+           chunk_size: int, inverse: bool, scratch: torch.dtype) -> dict[str, Tensor]:
+    """`kda_intra_triton` on inputs already checked (its callers' `_check` and `_check_v3`)."""
     if scratch not in (torch.float32, torch.bfloat16):
         raise ValueError(f"kda_intra_triton: scratch={scratch} must be float32 or bfloat16")
     B, T, H, K = q.shape
@@ -747,31 +743,23 @@ def _intra_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, res
     solve = {n: w for n, w in blocks.items() if n != "PAIR"}
     if V3["solve_dots"] and not ieee:
         solve["SOLVE"] = V3["solve_dots"]
-    options = dict(V3)   # as at the call, for launches made later
-
-    def launch() -> None:
-        grid = (N * (C // SUB_CHUNK), R)
-        if v6:
-            bg = min(_pow2(K), 64)
-            _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
-            _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
-                                  float(scale), BK=min(_pow2(K), options["block_k6"]),
-                                  num_warps=options["strip_warps"], QKD=options["strips_qkd"], **blocks)
-        else:
-            _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N,
-                                  float(scale), BK=min(_pow2(K), 16 if ieee else options["block_k4"]),
-                                  num_warps=4 if ieee else options["strip_warps"], **blocks)
-        _solve3_kernel[(N, R)](
-            q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"], x.get("R", x["M"]), T, H, K, V,
-            N, float(scale), BK=cfg["BKW"], BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1,
-            LEVELS=C.bit_length() - 1, INVERSE=inverse, QKD=v6 and not options["strips_qkd"], GAMMA=v6,
-            num_warps=options["solve_warps"] or cfg["num_warps"] if not ieee else cfg["num_warps"], **solve)
-    return x, launch
-
-
-def _intra_done(x: dict[str, Tensor], inverse: bool) -> dict[str, Tensor]:
-    """The scratch of `_intra_prepare` once every chunk is launched: what `kda_intra_triton` returns."""
-    x.pop("R", None)
+    grid = (N * (C // SUB_CHUNK), R)
+    if v6:
+        bg = min(_pow2(K), 64)
+        _gamma_kernel[(N, R, triton.cdiv(K, bg))](g, x["R"], T, H, K, N, C=C, BK=bg, num_warps=4)
+        _strips6_kernel[grid](q, k, beta, rst, x["R"], x["A"], x["M"], x["qd"], x["kd"], x["d"], T, H, K, N,
+                              float(scale), BK=min(_pow2(K), V3["block_k6"]), num_warps=V3["strip_warps"],
+                              QKD=V3["strips_qkd"], **blocks)
+    else:
+        _strips4_kernel[grid](q, k, g, beta, rst, x["qd"], x["kd"], x["A"], x["M"], x["d"], T, H, K, N,
+                              float(scale), BK=min(_pow2(K), 16 if ieee else V3["block_k4"]),
+                              num_warps=4 if ieee else V3["strip_warps"], **blocks)
+    _solve3_kernel[(N, R)](
+        q, k, v, g, beta, rst, x["w"], x["u"], x["qd"], x["kd"], x["d"], x["M"], x.get("R", x["M"]), T, H, K, V,
+        N, float(scale), BK=cfg["BKW"], BV=cfg["BV"], LOG_BC=SUB_CHUNK.bit_length() - 1,
+        LEVELS=C.bit_length() - 1, INVERSE=inverse, QKD=v6 and not V3["strips_qkd"], GAMMA=v6,
+        num_warps=V3["solve_warps"] or cfg["num_warps"] if not ieee else cfg["num_warps"], **solve)
+    x.pop("R", None)   # Γ: the strips' and the solve's alone
     if not inverse:
         del x["M"]
     return x
@@ -905,8 +893,7 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     s16 = q.dtype in _DT16
     scratch = torch.bfloat16 if s16 and V3["scratch"] == "16" else torch.float32
-    x, launch = _intra_prepare(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=residuals,
-                               scratch=scratch)
+    x = _intra(q, k, v, g, beta, reset, scale=scale, chunk_size=chunk_size, inverse=residuals, scratch=scratch)
     R, N, C = x["w"].shape[:3]
     fuse = fuse_output(R, V, q.dtype, scratch, q.device)
     states, U = None, None
@@ -914,13 +901,11 @@ def kda_chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         states = torch.empty(R, N, K, V, dtype=torch.bfloat16 if s16 and V3["states"] == "16" else torch.float32,
                              device=q.device)
         U = u_out_buffer(x)
-    launch()
     opts = dict(identity=False, with_u=True, states=states, U=U, out=o if fuse else None,
                 **forward_state_options(q.dtype, scratch))
     sN = _state_pass(x, B, T, H, K, V, q.dtype, s0=initial_state, **opts)
     if not fuse:
         _output_pass(x, states, o, q.dtype, U=U)
-    x = _intra_done(x, residuals)
     if U is not None:   # U_n replaces u from here on
         x["u"] = U
     return (o, sN, x, states) if residuals else (o, sN)

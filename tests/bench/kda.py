@@ -436,6 +436,7 @@ BWD_VARIANTS = {"defaults": {},
                 # the terms through the state: in their own launch (default) by 32 key channels at 4 warps, or
                 # inside _bwd_dqkg_kernel
                 "state-terms-bk32-4w": {"STATE_TERMS": {"block_k": 32, "num_warps": 4}},
+                "state-terms-in-dqkg": {"STATE_TERMS": {"split": False}},
                 "state-terms-bk32-4w-bv32": {"STATE_TERMS": {"block_k": 32, "block_v": 32, "num_warps": 4}},
                 "state-terms-2-stages": {"STATE_TERMS": {"num_stages": 2}},
                 "state-terms-bk32-4w-2-stages": {"STATE_TERMS": {"block_k": 32, "num_warps": 4, "num_stages": 2}},
@@ -447,8 +448,7 @@ BWD_VARIANTS = {"defaults": {},
                 "reverse-bv32-x2n-8w": {"REVERSE": {"block_v": 32, "dots": "x2n", "num_warps": 8}},
                 "reverse-1-stage": {"REVERSE": {"num_stages": 1}},
                 # dO Uᵀ, dO S_nᵀ, U dS_{n+1}ᵀ on bf16 operands (their stored dtype) rather than TF32
-                "bf16-operands": {"BF16_OPERANDS": True},
-                "state-terms-in-dqkg": {"STATE_TERMS": {"split": False}}}
+                "bf16-operands": {"BF16_OPERANDS": True}}
 """Options of kda_bwd_triton (module attributes; a dict value updates that attribute's dict) for
 `--bwd-variants`."""
 
