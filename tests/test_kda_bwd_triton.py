@@ -135,6 +135,23 @@ def _saved_grads(x, reset, do, dsN, scale, **kw):
     return kb.kda_chunk_bwd_triton(*inputs[:-1], inputs[-1], do, dsN, scale=scale, saved=saved, **kw)
 
 
+def test_reverse_config_fits_one_wave():
+    """block_v "auto" takes the narrowest column block whose programs fit one wave: one x2n program an SM (16-bit
+    chain), two otherwise; "auto" dots take x2n up to 32 columns and K = 128."""
+    def pick(rows, K=128, chain=True):
+        cfg = kb.reverse_config(K, 128, ieee=False, rows=rows, sms=132, chain=chain)
+        return cfg["BV"], cfg["CHAIN"], cfg["num_stages"]
+    assert pick(8) == (16, "x2n", 2)             # 64 programs
+    assert pick(16)[:2] == (16, "x2n")           # 128
+    assert pick(32)[:2] == (32, "x2n")           # 16 columns: 256 programs, two waves of one an SM
+    assert pick(33)[:2] == (32, "x2n")           # 132
+    assert pick(34)[:2] == (64, "")              # 32 columns: 136 programs; 64: TF32, two an SM
+    assert pick(96)[:2] == (64, "")
+    assert pick(32, chain=False)[:2] == (16, "")  # two programs an SM: 256 fit
+    assert pick(8, K=256)[1] == ""               # x2n's two stages would not fit in shared memory
+    assert kb.reverse_config(128, 128, ieee=True, rows=8)["CHAIN"] == ""
+
+
 def test_x2n_chain_equals_x2(monkeypatch):
     """"x2n" (the two bf16 parts of dS / dU side by side in one dot) forms the same products as "x2" (two dots),
     which the interpreter multiplies exactly, so in the same 16-column blocks the fp32 results (dg, dβ, dh0, the
@@ -327,4 +344,20 @@ def test_gpu_backward_matches_float64_recurrence(dtype):
     _check_grads(_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, tol)
     if dtype == torch.bfloat16:
         _check_grads(_saved_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reverse", [{"block_v": 16}, {"block_v": 32}, {"block_v": 64}, {"block_v": 32, "dots": None},
+                                     {"num_stages": 1}], ids=str)
+def test_gpu_reverse_pass_launches_match_float64_recurrence(reverse, monkeypatch):
+    """The op's path (bf16, from the forward's scratch) under the reverse pass's launches the benchmark times
+    (`REVERSE` overrides: column blocks with x2n dots, TF32 dots, one pipeline stage) against the float64 autograd of
+    the recurrence, at K = V = 128 with documents."""
+    for name, value in reverse.items():
+        monkeypatch.setitem(kb.REVERSE, name, value)
+    x, _ = _k3_inputs(torch.bfloat16, T=1024, H=8)
+    reset = resets(1, 1024, [[100, 640, 641]]).cuda()
+    do, dsN = _bwd_inputs(x, True)
+    ref = _reference_grads(x, reset, do, dsN, 128 ** -0.5)
+    _check_grads(_saved_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, BWD_BF16_TOL)
 

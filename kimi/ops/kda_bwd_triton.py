@@ -396,11 +396,12 @@ side, the anchors the batch: [C/BC, BC, C] x [C/BC, C, BK]) or "wide" (the ancho
 [C, C] x [C, C/BC · BK] dot per side, each row reading its own anchor's columns; the dots multiply C/BC times the
 terms, as single wide tensor-core dots; with IEEE dots, fp32 inputs' parity path, the wide operands spill)."""
 
-BF16_OPERANDS = False
+BF16_OPERANDS = True
 """True: the backward's chunk-parallel dots whose operands are all stored in bf16 (dO Uᵀ in `_bwd_dav_kernel`; dO S_nᵀ,
 U dS_{n+1}ᵀ in `_bwd_state_kernel`) on bf16 operands rather than `PRECISION["state"]`'s TF32: the same products (a
 bf16 value is exact in TF32) at twice the tensor-core rate, with fewer wgmma (sm_90 offline compile: 24 against 32
-in `_bwd_state_kernel`). Off until timed on a GPU (docs/performance.md, KDA round 12)."""
+in `_bwd_state_kernel`; 1-1.2 % off the H200's forward+backward at the issue's three shapes: docs/performance.md,
+KDA round 13). False: TF32 (the reference path of its test)."""
 
 
 def b16(*ts: Tensor) -> bool:
@@ -408,7 +409,7 @@ def b16(*ts: Tensor) -> bool:
     return all(t.dtype == torch.bfloat16 for t in ts)
 
 
-STATE_TERMS = {"split": True, "block_k": 64, "block_v": 64, "num_warps": 8, "num_stages": 1}
+STATE_TERMS = {"split": True, "block_k": 32, "block_v": 64, "num_warps": 4, "num_stages": 1}
 """The terms of dq, dk, dg, dβ through the state: inside `_bwd_dqkg_kernel` (per 16 key channels, "split" False),
 or in their own launch (`_bwd_state_kernel`, "block_k" key channels and "block_v" value channels a step,
 "num_warps", "num_stages"; 16-bit inputs), which `_bwd_dqkg_kernel` then adds from fp32 scratch (dq, dk, dg
@@ -423,8 +424,8 @@ bits: exact, but more registers), "own" always from the forward's scratch (`save
 "fp32" or "16" (bf16, with "own"); "dots" the operands of the own kernel's two dots on the chain (k̃ dS_{n+1}, wᵀ dU_n)
 with bf16 scratch: None (`PRECISION["state"]`), "x2" (dS and dU as two bf16 parts, two dots), "x2n" (the same
 parts side by side in one dot, as the forward's `V3["state_dots"]`; two stages unless "num_stages" says otherwise:
-at one ptxas serializes its wgmma) or "auto" ("x2n" where the block is at most 16 columns, few sequences × heads,
-and K ≤ 128; TF32 at wider blocks, where x2n measured slower: docs/performance.md, KDA round 8).
+at one ptxas serializes its wgmma) or "auto" ("x2n" where the block is at most 32 columns and K ≤ 128; TF32 at 64
+columns, where x2n measured slower: docs/performance.md, KDA rounds 8 and 13).
 block_v "auto": by the sequences × heads (`reverse_config`)."""
 
 
@@ -449,18 +450,22 @@ def reverse_config(K: int, V: int, ieee: bool, rows: int = 1, sms: int = 132, ch
     """The reverse state pass's launch config: `state_config`'s, with `REVERSE`'s overrides for 16-bit inputs, and
     "CHAIN" ("" or "x2n", `REVERSE["dots"]`), the chain dots of the own kernel when it runs on bf16 tiles (`chain`
     True). block_v "auto": the narrowest column block (of 16, 32, 64) whose programs, `rows` sequences × heads times
-    the column blocks, still fit one wave of two programs on each of `sms` SMs (each program is a sequential walk
-    over the chunks: a second wave doubles the time, fewer programs leave SMs idle). "auto" dots take x2n only up to
-    K = 128 (its two stages at K = 256 need more shared memory than Hopper has)."""
+    the column blocks, still fit one wave on `sms` SMs (each program is a sequential walk over the chunks: a second
+    wave doubles the time, fewer programs leave SMs idle), one program an SM with x2n dots (their two stages take
+    127 KB of shared memory at K = 128), two without. "auto" dots take x2n up to 32 columns and K = 128 (its two
+    stages at K = 256 need more shared memory than Hopper has; at 64 columns TF32 measured faster)."""
     cfg = dict(state_config(K, V, ieee=ieee), CHAIN="")
     if not ieee:
+        auto = REVERSE["dots"] == "auto"
+        dots = ("x2n" if cfg["BK"] <= 128 else None) if auto else REVERSE["dots"]
+        dots = dots if chain else None
         bv = REVERSE["block_v"]
         if bv == "auto":
-            bv = next((b for b in (16, 32) if rows * -(-V // b) <= 2 * sms), 64)
+            per_sm = 1 if dots == "x2n" else 2
+            bv = next((b for b in (16, 32) if rows * -(-V // b) <= per_sm * sms), 64)
         bv = cfg["BV"] if bv is None else min(_pow2(V), bv)
-        dots = REVERSE["dots"] if chain else None
-        if dots == "auto":
-            dots = "x2n" if bv <= 16 and cfg["BK"] <= 128 else None
+        if auto and bv > 32:
+            dots = None
         cfg.update(BV=bv, CHAIN=dots or "")
         if dots:
             cfg["num_stages"] = 2

@@ -433,22 +433,24 @@ BWD_VARIANTS = {"defaults": {},
                 "reverse-x2": {"REVERSE": {"dots": "x2"}}, "reverse-dS-fp32": {"REVERSE": {"dstates": "fp32"}},
                 # the pairwise sums of _bwd_dqkg_kernel: anchors side by side in the columns (default) or batched
                 "pairwise-batched": {"PAIRWISE": "batched"},
-                # the terms through the state: in their own launch (default) by 32 key channels at 4 warps, or
-                # inside _bwd_dqkg_kernel
-                "state-terms-bk32-4w": {"STATE_TERMS": {"block_k": 32, "num_warps": 4}},
+                # the terms through the state: in their own launch (default: 32 key channels, 4 warps) by 64 key
+                # channels at 8 warps (round 12's), or inside _bwd_dqkg_kernel
+                "state-terms-bk64-8w": {"STATE_TERMS": {"block_k": 64, "num_warps": 8}},
                 "state-terms-in-dqkg": {"STATE_TERMS": {"split": False}},
-                "state-terms-bk32-4w-bv32": {"STATE_TERMS": {"block_k": 32, "block_v": 32, "num_warps": 4}},
-                "state-terms-2-stages": {"STATE_TERMS": {"num_stages": 2}},
-                "state-terms-bk32-4w-2-stages": {"STATE_TERMS": {"block_k": 32, "num_warps": 4, "num_stages": 2}},
                 "state-terms-bv32": {"STATE_TERMS": {"block_v": 32}},
-                # the reverse pass's columns: "auto" takes 16 where two programs an SM would hold every program,
-                # but its x2n launch (two stages, 127 KB of shared memory) fits one an SM: 32 heads run two waves
-                "reverse-bv32": {"REVERSE": {"block_v": 32}}, "reverse-bv32-x2n": {"REVERSE": {"block_v": 32,
-                                                                                          "dots": "x2n"}},
-                "reverse-bv32-x2n-8w": {"REVERSE": {"block_v": 32, "dots": "x2n", "num_warps": 8}},
+                "state-terms-2-stages": {"STATE_TERMS": {"num_stages": 2}},
+                # the reverse pass's columns: "auto" takes the narrowest block whose programs fit one wave (one x2n
+                # program an SM); or 16, 32 columns (x2n), 32 on TF32 dots, one stage
+                "reverse-bv16": {"REVERSE": {"block_v": 16}}, "reverse-bv32": {"REVERSE": {"block_v": 32}},
+                "reverse-bv32-tf32": {"REVERSE": {"block_v": 32, "dots": None}},
+                "reverse-bv32-8w": {"REVERSE": {"block_v": 32, "num_warps": 8}},
                 "reverse-1-stage": {"REVERSE": {"num_stages": 1}},
-                # dO Uᵀ, dO S_nᵀ, U dS_{n+1}ᵀ on bf16 operands (their stored dtype) rather than TF32
-                "bf16-operands": {"BF16_OPERANDS": True}}
+                # dO Uᵀ, dO S_nᵀ, U dS_{n+1}ᵀ on TF32 rather than bf16 operands (their stored dtype)
+                "tf32-operands": {"BF16_OPERANDS": False},
+                # round 12's defaults (at 32 heads also with reverse-bv16)
+                "round-12": {"BF16_OPERANDS": False, "STATE_TERMS": {"block_k": 64, "num_warps": 8}},
+                "round-12-bv16": {"BF16_OPERANDS": False, "STATE_TERMS": {"block_k": 64, "num_warps": 8},
+                                  "REVERSE": {"block_v": 16}}}
 """Options of kda_bwd_triton (module attributes; a dict value updates that attribute's dict) for
 `--bwd-variants`."""
 
