@@ -369,6 +369,23 @@ def test_gpu_matches_float64_recurrence(H, out, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("out", ["kernel", "state"])
+def test_gpu_state_pass_x2n_launches_match_float64_recurrence(stages, out, monkeypatch):
+    """The forward's state pass on x2n dots in a fixed 16-column launch at one to three stages (`V3`'s state_block,
+    state_dots, state_stages; "auto" takes two or three), O_n from either kernel, against the float64 recurrence:
+    the reverse pass's x2n dots at one stage gave wrong gradients on an H100 (Triton 3.6)."""
+    for name, value in dict(state_block=16, state_dots="x2n", state_stages=stages, state_warps=8, out=out).items():
+        monkeypatch.setitem(kt.V3, name, value)
+    x, _ = _k3_inputs(torch.bfloat16, T=1024, H=8)
+    reset = resets(1, 1024, [[100, 640, 641]]).cuda()
+    o_ref, S_ref = _call(delta_rule.kda_recurrent, {n: t.double() for n, t in x.items()}, reset,
+                         scale=128 ** -0.5)
+    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
+    assert rel_err(o, o_ref) < BF16_TOL and rel_err(S, S_ref) < BF16_TOL
+
+
+@pytest.mark.gpu
 def test_gpu_cp_prepass_at_k3_width():
     """The pre-pass at K = V = 128, T = 4096, bf16: M S + S_zero against the forward from S."""
     x, _ = _k3_inputs(torch.bfloat16, T=4096, H=8)

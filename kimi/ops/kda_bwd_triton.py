@@ -423,8 +423,8 @@ bits: exact, but more registers), "own" always from the forward's scratch (`save
 "num_warps", "num_stages" over `state_config`'s (None: its own); "dstates" the dtype of the stored dS_{n+1}:
 "fp32" or "16" (bf16, with "own"); "dots" the operands of the own kernel's two dots on the chain (k̃ dS_{n+1}, wᵀ dU_n)
 with bf16 scratch: None (`PRECISION["state"]`), "x2" (dS and dU as two bf16 parts, two dots), "x2n" (the same
-parts side by side in one dot, as the forward's `V3["state_dots"]`; two stages unless "num_stages" says otherwise:
-at one ptxas serializes its wgmma) or "auto" ("x2n" where the block is at most 32 columns and K ≤ 128; TF32 at 64
+parts side by side in one dot, as the forward's `V3["state_dots"]`; two stages: at one ptxas serializes its wgmma,
+and the gradients came out wrong, so `reverse_config` refuses it) or "auto" ("x2n" where the block is at most 32 columns and K ≤ 128; TF32 at 64
 columns, where x2n measured slower: docs/performance.md, KDA rounds 8 and 13).
 block_v "auto": by the sequences × heads (`reverse_config`)."""
 
@@ -471,6 +471,9 @@ def reverse_config(K: int, V: int, ieee: bool, rows: int = 1, sms: int = 132, ch
             cfg["num_stages"] = 2
         over = dict(num_warps=REVERSE["num_warps"], num_stages=REVERSE["num_stages"])
         cfg.update({n: x for n, x in over.items() if x is not None})
+        if cfg["CHAIN"] == "x2n" and cfg["num_stages"] < 2:
+            raise ValueError("kda_bwd_triton.REVERSE: x2n dots at one stage gave wrong gradients on an H100 (Triton "
+                             "3.6: dk 0.11 off the float64 recurrence); take two stages or dots=None")
     return cfg
 
 

@@ -440,11 +440,10 @@ BWD_VARIANTS = {"defaults": {},
                 "state-terms-bv32": {"STATE_TERMS": {"block_v": 32}},
                 "state-terms-2-stages": {"STATE_TERMS": {"num_stages": 2}},
                 # the reverse pass's columns: "auto" takes the narrowest block whose programs fit one wave (one x2n
-                # program an SM); or 16, 32 columns (x2n), 32 on TF32 dots, one stage
+                # program an SM); or 16, 32 columns (x2n), 32 on TF32 dots, 8 warps
                 "reverse-bv16": {"REVERSE": {"block_v": 16}}, "reverse-bv32": {"REVERSE": {"block_v": 32}},
                 "reverse-bv32-tf32": {"REVERSE": {"block_v": 32, "dots": None}},
                 "reverse-bv32-8w": {"REVERSE": {"block_v": 32, "num_warps": 8}},
-                "reverse-1-stage": {"REVERSE": {"num_stages": 1}},
                 # dO Uᵀ, dO S_nᵀ, U dS_{n+1}ᵀ on TF32 rather than bf16 operands (their stored dtype)
                 "tf32-operands": {"BF16_OPERANDS": False},
                 # round 12's defaults (at 32 heads also with reverse-bv16)
