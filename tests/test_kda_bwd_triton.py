@@ -149,6 +149,7 @@ def test_reverse_config_fits_one_wave():
     assert pick(96)[:2] == (64, "")
     assert pick(32, chain=False)[:2] == (16, "")  # two programs an SM: 256 fit
     assert pick(8, K=256)[1] == ""               # x2n's two stages would not fit in shared memory
+    assert kb.reverse_config(128, 32, ieee=False, rows=200, chain=True)["CHAIN"] == ""   # 64 → 32 columns, TF32
     assert kb.reverse_config(128, 128, ieee=True, rows=8)["CHAIN"] == ""
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(kb.REVERSE, "num_stages", 1)
@@ -353,12 +354,12 @@ def test_gpu_backward_matches_float64_recurrence(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("reverse", [{"block_v": 16}, {"block_v": 32}, {"block_v": 64}, {"block_v": 32, "dots": None},
-                                     {"block_v": 16, "dots": None, "num_stages": 1}, {"dots": "x2"}], ids=str)
+                                     {"block_v": 16, "dots": None, "num_stages": 2}, {"dots": "x2"}], ids=str)
 def test_gpu_reverse_pass_launches_match_float64_recurrence(reverse, monkeypatch):
-    """The op's path (bf16, from the forward's scratch) under the reverse pass's launches the benchmark times
-    (`REVERSE` overrides: column blocks with x2n dots, TF32 dots at one stage and two, x2 dots) against the float64
-    autograd of the recurrence, at K = V = 128 with documents. (x2n dots at one stage, dk 0.11 off on an H100, are
-    refused: `test_reverse_config_fits_one_wave`.)"""
+    """The op's path (bf16, from the forward's scratch) under the reverse pass's launches (`REVERSE` overrides: 16
+    and 32 columns on x2n dots, 64 on TF32 as "auto" takes them; TF32 dots at 32 columns and one stage, at 16 and
+    two; x2 dots) against the float64 autograd of the recurrence, at K = V = 128 with documents. (x2n dots at one
+    stage, dk 0.11 off on an H100, are refused: `test_reverse_config_fits_one_wave`.)"""
     for name, value in reverse.items():
         monkeypatch.setitem(kb.REVERSE, name, value)
     x, _ = _k3_inputs(torch.bfloat16, T=1024, H=8)

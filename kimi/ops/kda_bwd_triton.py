@@ -400,7 +400,7 @@ BF16_OPERANDS = True
 """True: the backward's chunk-parallel dots whose operands are all stored in bf16 (dO Uᵀ in `_bwd_dav_kernel`; dO S_nᵀ,
 U dS_{n+1}ᵀ in `_bwd_state_kernel`) on bf16 operands rather than `PRECISION["state"]`'s TF32: the same products (a
 bf16 value is exact in TF32) at twice the tensor-core rate, with fewer wgmma (sm_90 offline compile: 24 against 32
-in `_bwd_state_kernel`; 1-1.2 % off the H200's forward+backward at the issue's three shapes: docs/performance.md,
+in `_bwd_state_kernel`; 0.8-1.2 % off the H200's forward+backward at the issue's three shapes: docs/performance.md,
 KDA round 13). False: TF32 (the reference path of its test)."""
 
 
@@ -423,8 +423,8 @@ bits: exact, but more registers), "own" always from the forward's scratch (`save
 "num_warps", "num_stages" over `state_config`'s (None: its own); "dstates" the dtype of the stored dS_{n+1}:
 "fp32" or "16" (bf16, with "own"); "dots" the operands of the own kernel's two dots on the chain (k̃ dS_{n+1}, wᵀ dU_n)
 with bf16 scratch: None (`PRECISION["state"]`), "x2" (dS and dU as two bf16 parts, two dots), "x2n" (the same
-parts side by side in one dot, as the forward's `V3["state_dots"]`; two stages: at one ptxas serializes its wgmma,
-and the gradients came out wrong, so `reverse_config` refuses it) or "auto" ("x2n" where the block is at most 32 columns and K ≤ 128; TF32 at 64
+parts side by side in one dot, as the forward's `V3["state_dots"]`; two stages: at one the gradients came out wrong,
+and `reverse_config` refuses it) or "auto" ("x2n" where the block is at most 32 columns and K ≤ 128; TF32 at 64
 columns, where x2n measured slower: docs/performance.md, KDA rounds 8 and 13).
 block_v "auto": by the sequences × heads (`reverse_config`)."""
 
@@ -448,12 +448,13 @@ def dqkg_config(C: int, K: int, V: int, ieee: bool) -> dict:
 
 def reverse_config(K: int, V: int, ieee: bool, rows: int = 1, sms: int = 132, chain: bool = False) -> dict:
     """The reverse state pass's launch config: `state_config`'s, with `REVERSE`'s overrides for 16-bit inputs, and
-    "CHAIN" ("" or "x2n", `REVERSE["dots"]`), the chain dots of the own kernel when it runs on bf16 tiles (`chain`
-    True). block_v "auto": the narrowest column block (of 16, 32, 64) whose programs, `rows` sequences × heads times
-    the column blocks, still fit one wave on `sms` SMs (each program is a sequential walk over the chunks: a second
-    wave doubles the time, fewer programs leave SMs idle), one program an SM with x2n dots (their two stages take
-    127 KB of shared memory at K = 128), two without. "auto" dots take x2n up to 32 columns and K = 128 (its two
-    stages at K = 256 need more shared memory than Hopper has; at 64 columns TF32 measured faster)."""
+    "CHAIN" ("", "x2" or "x2n", `REVERSE["dots"]`), the chain dots of the own kernel when it runs on bf16 tiles
+    (`chain` True). Each program is a sequential walk over the chunks (a second wave doubles the time, fewer programs
+    leave SMs idle), so block_v "auto" takes the narrowest column block (of 16, 32) whose programs, `rows` sequences
+    × heads times the column blocks, fit one wave on `sms` SMs, one program an SM with x2n dots (their two stages
+    take 127 KB of shared memory at K = 128) and two without, else 64 columns. "auto" dots are x2n up to 32 columns
+    and K = 128 (two stages at K = 256 need more shared memory than Hopper has), TF32 at 64 columns (measured
+    faster there). x2n at one stage is refused (wrong gradients on an H100)."""
     cfg = dict(state_config(K, V, ieee=ieee), CHAIN="")
     if not ieee:
         auto = REVERSE["dots"] == "auto"
@@ -463,9 +464,10 @@ def reverse_config(K: int, V: int, ieee: bool, rows: int = 1, sms: int = 132, ch
         if bv == "auto":
             per_sm = 1 if dots == "x2n" else 2
             bv = next((b for b in (16, 32) if rows * -(-V // b) <= per_sm * sms), 64)
-        bv = cfg["BV"] if bv is None else min(_pow2(V), bv)
+        bv = cfg["BV"] if bv is None else bv
         if auto and bv > 32:
             dots = None
+        bv = min(_pow2(V), bv)
         cfg.update(BV=bv, CHAIN=dots or "")
         if dots:
             cfg["num_stages"] = 2
