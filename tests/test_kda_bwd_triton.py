@@ -336,16 +336,22 @@ def test_gpu_backward_k3_shape_matches_chunk(documents):
     _check_grads(_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, BWD_BF16_TOL)
 
 
+def _k3_documents_case(dtype):
+    """K = V = 128, T = 1024, 8 heads with documents: the inputs, resets, output and final-state gradients, and the
+    float64 autograd of the recurrence on them."""
+    x, _ = _k3_inputs(dtype, T=1024, H=8)
+    reset = resets(1, 1024, [[100, 640, 641]]).cuda()
+    do, dsN = _bwd_inputs(x, True)
+    return x, reset, do, dsN, _reference_grads(x, reset, do, dsN, 128 ** -0.5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_backward_matches_float64_recurrence(dtype):
     """K = V = 128 over 16 chunks and 8 heads with documents against the float64 autograd of the recurrence:
     fp32 within 2e-5, bf16 within BWD_BF16_TOL; bf16 also from the forward's scratch (the op's path: at 8 heads
     the forward's state pass in 8-column blocks and the reverse pass with "x2n" dots)."""
-    x, _ = _k3_inputs(dtype, T=1024, H=8)
-    reset = resets(1, 1024, [[100, 640, 641]]).cuda()
-    do, dsN = _bwd_inputs(x, True)
-    ref = _reference_grads(x, reset, do, dsN, 128 ** -0.5)
+    x, reset, do, dsN, ref = _k3_documents_case(dtype)
     tol = 2e-5 if dtype == torch.float32 else BWD_BF16_TOL
     _check_grads(_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, tol)
     if dtype == torch.bfloat16:
@@ -362,9 +368,6 @@ def test_gpu_reverse_pass_launches_match_float64_recurrence(reverse, monkeypatch
     stage, dk 0.11 off on an H100, are refused: `test_reverse_config_fits_one_wave`.)"""
     for name, value in reverse.items():
         monkeypatch.setitem(kb.REVERSE, name, value)
-    x, _ = _k3_inputs(torch.bfloat16, T=1024, H=8)
-    reset = resets(1, 1024, [[100, 640, 641]]).cuda()
-    do, dsN = _bwd_inputs(x, True)
-    ref = _reference_grads(x, reset, do, dsN, 128 ** -0.5)
+    x, reset, do, dsN, ref = _k3_documents_case(torch.bfloat16)
     _check_grads(_saved_grads(x, reset, do, dsN, 128 ** -0.5), ref, x, BWD_BF16_TOL)
 

@@ -360,6 +360,11 @@ def test_gpu_matches_float64_recurrence(H, out, monkeypatch):
     """bf16 at K = V = 128 over 16 chunks against the float64 recurrence, with documents, at 8 and 32 heads (the
     state pass's 8- and 32-column launches), O_n from `_output_kernel` or from the state pass (V3["out"])."""
     monkeypatch.setitem(kt.V3, "out", out)
+    _check_k3_against_float64(H)
+
+
+def _check_k3_against_float64(H):
+    """bf16 at K = V = 128, T = 1024, with documents: output and final state against the float64 recurrence."""
     x, _ = _k3_inputs(torch.bfloat16, T=1024, H=H)
     reset = resets(1, 1024, [[100, 640, 641]]).cuda()
     o_ref, S_ref = _call(delta_rule.kda_recurrent, {n: t.double() for n, t in x.items()}, reset,
@@ -377,12 +382,7 @@ def test_gpu_state_pass_x2n_launches_match_float64_recurrence(stages, out, monke
     the reverse pass's x2n dots at one stage gave wrong gradients on an H100 (Triton 3.6)."""
     for name, value in dict(state_block=16, state_dots="x2n", state_stages=stages, state_warps=8, out=out).items():
         monkeypatch.setitem(kt.V3, name, value)
-    x, _ = _k3_inputs(torch.bfloat16, T=1024, H=8)
-    reset = resets(1, 1024, [[100, 640, 641]]).cuda()
-    o_ref, S_ref = _call(delta_rule.kda_recurrent, {n: t.double() for n, t in x.items()}, reset,
-                         scale=128 ** -0.5)
-    o, S = _call(kt.kda_chunk_fwd_triton, x, reset, scale=128 ** -0.5)
-    assert rel_err(o, o_ref) < BF16_TOL and rel_err(S, S_ref) < BF16_TOL
+    _check_k3_against_float64(8)
 
 
 @pytest.mark.gpu

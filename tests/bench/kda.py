@@ -427,6 +427,9 @@ def rounds_table(what: str, variants: list, rounds: int, timed, extra: dict | No
               f"{' ' + extra[v] + ' |' if extra else ''}", flush=True)
 
 
+ROUND_12 = {"BF16_OPERANDS": False, "STATE_TERMS": {"block_k": 64, "num_warps": 8}}
+"""Round 12's backward defaults over today's (docs/performance.md, KDA round 13)."""
+
 BWD_VARIANTS = {"defaults": {},
                 # the reverse state pass (the op's: the own kernel, from the forward's scratch): its chain's dots as
                 # two dots of bf16 parts rather than "auto"'s choice, or dS_{n+1} stored in fp32 rather than bf16
@@ -447,9 +450,7 @@ BWD_VARIANTS = {"defaults": {},
                 # dO Uᵀ, dO S_nᵀ, U dS_{n+1}ᵀ on TF32 rather than bf16 operands (their stored dtype)
                 "tf32-operands": {"BF16_OPERANDS": False},
                 # round 12's defaults (at 32 heads also with reverse-bv16)
-                "round-12": {"BF16_OPERANDS": False, "STATE_TERMS": {"block_k": 64, "num_warps": 8}},
-                "round-12-bv16": {"BF16_OPERANDS": False, "STATE_TERMS": {"block_k": 64, "num_warps": 8},
-                                  "REVERSE": {"block_v": 16}}}
+                "round-12": ROUND_12, "round-12-bv16": {**ROUND_12, "REVERSE": {"block_v": 16}}}
 """Options of kda_bwd_triton (module attributes; a dict value updates that attribute's dict) for
 `--bwd-variants`."""
 
