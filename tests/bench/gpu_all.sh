@@ -18,7 +18,11 @@
 #                                                          # (tests/bench/sparse_kernels.py, 8K and 32K)
 #   bash tests/bench/gpu_all.sh sparse-tune                # their launch sweep (tests/bench/sparse_tune.py, 8K)
 #   bash tests/bench/gpu_all.sh cudnn-tests                # attn='cudnn' on the real kernels (cuDNN Frontend installed)
-#   bash tests/bench/gpu_all.sh kda-triton-tests           # the Triton KDA kernels (chunked, decode) at real sizes
+#   bash tests/bench/gpu_all.sh kda-triton-tests           # the Triton KDA kernels (forward, backward, decode) at
+#                                                          # real sizes
+#   bash tests/bench/gpu_all.sh kda-rows                   # the KDA core against fla's safe gate, one shape a part
+#                                                          # (8192x96, 32768x32, 65536x8), then the decode step
+#   bash tests/bench/gpu_all.sh kda-train                  # the compiled training step, kda triton and chunk_triton
 #   bash tests/bench/gpu_all.sh kda                        # the KDA core and decode step against fla (tests/bench/kda.py)
 #   bash tests/bench/gpu_all.sh kda-quick                  # the same without fla's chunk_kda (its autotuning is slow)
 #   bash tests/bench/gpu_all.sh kda-decode-sweep           # the decode kernels' launch sweep
@@ -84,8 +88,19 @@ for part in "$@"; do
     sparse) run sparse 400 python -W ignore tests/bench/sparse_kernels.py ;;
     sparse-tune) run sparse-tune 400 python -W ignore tests/bench/sparse_tune.py --tokens 8192 ;;
     cudnn-tests) run cudnn-tests 400 python -m pytest -q -x -rP tests/test_cudnn_backend.py -m gpu ;;
-    kda-triton-tests) run kda-triton-tests 300 python -m pytest -q -x tests/test_kda_triton.py \
-                        tests/test_kda_decode_triton.py -m gpu ;;
+    kda-triton-tests) run kda-triton-tests 400 python -m pytest -q tests/test_kda_triton.py \
+                        tests/test_kda_bwd_triton.py tests/test_kda_decode_triton.py -m gpu ;;
+    kda-rows)   # each shape under its own limit (fla autotunes its chunk_kda once a shape: minutes where uncached)
+      for shape in 8192x96 32768x32 65536x8; do
+        run "kda-$shape" 240 python -W ignore tests/bench/kda.py --shapes "$shape" --iters 10 --no-decode \
+          --fla-safe-only --variants defaults
+      done
+      run kda-decode 120 python -W ignore tests/bench/kda.py --shapes --iters 20 ;;
+    kda-train)
+      for kda in triton chunk_triton; do
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run "train-kda-$kda" 280 python -W ignore \
+          tests/bench/train.py --warmup 2 --steps 3 --kda "$kda"
+      done ;;
     kda) run kda 400 python -W ignore tests/bench/kda.py ;;
     decode-graphs) run decode-graphs 200 python -m pytest -q -x tests/test_decode.py -m gpu ;;
     kda-quick) run kda-quick 150 python -W ignore tests/bench/kda.py --no-fla-chunk ;;
@@ -100,6 +115,6 @@ for part in "$@"; do
       if [ "$part" = long-train ]; then args=(--seq 32768 --profile); else args=(--seq 65536); fi
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run "$part" 330 python -W ignore tests/bench/train.py \
         --experts 64 --topk 16 --lora-rank 16 --recompute --warmup 1 --steps 2 "${args[@]}" ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-attn, train-chunk, recompute, recompute-long, sparse-tests, sparse, sparse-tune, cudnn-tests, kda-triton-tests, kda, kda-quick, kda-decode-sweep, decode-graphs, fsdp, fsdp-eager, fsdp-fp32, long-prefill, long-train, long-train-64k)"; exit 2 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-attn, train-chunk, recompute, recompute-long, sparse-tests, sparse, sparse-tune, cudnn-tests, kda-triton-tests, kda-rows, kda-train, kda, kda-quick, kda-decode-sweep, decode-graphs, fsdp, fsdp-eager, fsdp-fp32, long-prefill, long-train, long-train-64k)"; exit 2 ;;
   esac
 done
