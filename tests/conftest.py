@@ -1,7 +1,7 @@
 """Test setup: fresh random inputs each run (the seed is printed so a failure can be replayed with
 KIMI_TEST_SEED=N), hypothesis without deadlines, a `gpu` marker that skips cleanly without CUDA, and a fresh
 Inductor cache directory per session (a stale cache can reuse old fake-kernel strides: docs/compile.md#fake-strides;
-removed at exit), and Triton's interpreter on machines without a GPU (`_share_interpreter_patches`)."""
+removed at exit), and Triton's interpreter on machines without a GPU (with tests/interpreter_speedups.py)."""
 
 import atexit
 import os
@@ -12,6 +12,8 @@ import tempfile
 import pytest
 import torch
 from hypothesis import settings
+
+import interpreter_speedups
 
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kimi-inductor-")
@@ -24,49 +26,8 @@ settings.load_profile("default")
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
 
 
-def _share_interpreter_patches() -> bool:
-    """Triton's interpreter patches `triton.language` for the interpreter at every launch (undone when the kernel
-    returns) and again at every call of a @triton.jit function inside the kernel (`tl.sum`, our helpers), each
-    time walking the members of tl, tl.core, tl.tensor and tl.math (45 % of the CPU time of an indexer launch on
-    triton 3.9; 3.6's interpreter does the same). A nested call's patch is never undone before the kernel returns,
-    so once a language module is patched in a launch, patching it again for a nested call changes nothing: here it
-    is skipped. What the kernels compute is untouched (the same interpreter, the same patches in force at every
-    line). Without those internals (another Triton) nothing is replaced."""
-    try:
-        from triton.runtime import interpreter as ti
-        patch_lang, no_patch, launch = ti._patch_lang, ti._LangPatchScope, ti.GridExecutor.__call__
-        modules = (ti.tl, ti.tl.core)
-    except (ImportError, AttributeError):
-        return False
-    patched: list[set[int]] = []    # per running launch: the language modules patched in it
-    seen: dict = {}
-
-    def langs(fn) -> set[int]:
-        if fn not in seen:
-            seen[fn] = {id(v) for v in fn.__globals__.values() if any(v is m for m in modules)}
-        return seen[fn]
-
-    def _patch_lang(fn):
-        if patched and langs(fn) and langs(fn) <= patched[-1]:   # (none: the interpreter's own assertion)
-            return no_patch()
-        scope = patch_lang(fn)
-        if patched:
-            patched[-1] |= langs(fn)
-        return scope
-
-    def __call__(self, *args, **kwargs):
-        patched.append(set())
-        try:
-            return launch(self, *args, **kwargs)
-        finally:
-            patched.pop()
-
-    ti._patch_lang, ti.GridExecutor.__call__ = _patch_lang, __call__
-    return True
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _share_interpreter_patches()
+if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter without two of its bookkeeping costs
+    interpreter_speedups.install()
 
 
 def pytest_configure(config):
