@@ -10,7 +10,8 @@ kernel computes; tests/test_interpreter_speedups.py checks the scan against Trit
 - `row_scan`: `tl.associative_scan` with a combine function of its own (not tl.cumsum's) runs element by element,
   one Python call of the combine function per element (the KDA backward's exclusive prefix sums: 60 % of its
   CPU time). `row_scan` folds the same way along the axis, left to right, but applies the combine function to
-  whole slices across the other axes: the same elementwise operations in the same order.
+  whole slices across the other axes: the same elementwise operations in the same order. A combine function
+  that would not give the same values so (one that branches on a value) goes to Triton's scan.
 
 Both replace private functions of `triton.runtime.interpreter` (3.6 to 3.9); where those are missing (another
 Triton), `install` replaces nothing and the tests run at the interpreter's own speed.
@@ -53,9 +54,39 @@ def share_patches(ti) -> None:
     ti._patch_lang, ti.GridExecutor.__call__ = _patch_lang, __call__
 
 
+class _NotElementwise(Exception):
+    """The combine function does something a slice-wise fold would not reproduce."""
+
+
 def row_scan(self, input):
     """`ScanOps.generic_scan`'s result (out[0] = x[0], out[i] = combine(out[i − 1], x[i]) along the axis, each
-    member stored in its input's dtype after every step), one combine call per position along the axis."""
+    member stored in its input's dtype after every step), one combine call per position along the axis. A combine
+    function that branches on a value (`if`, `and`, `min()`: a block's truth value would take one branch for every
+    row), returns another number of members or another dtype than its inputs' goes to Triton's own scan instead."""
+    import triton.language as tl
+    tensor = tl.core.tensor                     # the interpreter's patched class during a launch
+    as_bool = tensor.__bool__
+
+    def one_value(t):
+        if t.handle.data.size != 1:
+            raise _NotElementwise
+        return as_bool(t)
+
+    tensor.__bool__ = one_value
+    try:
+        return _fold_slices(self, input)
+    except Exception as e:      # ours, or the interpreter's wrapper of it (a jit function the combine one calls)
+        cause = e
+        while cause is not None and not isinstance(cause, _NotElementwise):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+    finally:
+        tensor.__bool__ = as_bool
+    return TRITON_GENERIC_SCAN(self, input)
+
+
+def _fold_slices(self, input):
     data = [arg.handle.data for arg in input]
     out = [np.empty_like(d) for d in data]
     axis, n = self.axis, data[0].shape[self.axis]
@@ -73,9 +104,13 @@ def row_scan(self, input):
         cur = [member(d[at(i)], arg) for d, arg in zip(data, input)]
         ret = self.combine_fn.fn(*acc, *cur)
         ret = ret if isinstance(ret, tuple) else (ret,)
+        if len(ret) != len(out):
+            raise _NotElementwise
         for o, r in zip(out, ret):
             value = r.handle.data if hasattr(r, "handle") else r
-            o[at(i)] = np.reshape(value, o[at(i)].shape) if np.ndim(value) else value
+            if isinstance(value, np.ndarray) and value.dtype != o.dtype:
+                raise _NotElementwise
+            o[at(i)] = np.broadcast_to(np.reshape(value, -1)[0] if np.size(value) == 1 else value, o[at(i)].shape)
     return [self.to_tensor(o, arg.dtype) for o, arg in zip(out, input)]
 
 

@@ -1,6 +1,7 @@
 """tests/interpreter_speedups.py's scan against the Triton interpreter's own (`ScanOps.generic_scan`), bit for bit:
 the KDA backward's combine functions (two exclusive prefix sums in one scan, a pair of sums), both axes, both
-directions, and a 1-d scan, on inputs whose sums depend on their order (magnitudes 1e-4 to 1e4 of both signs)."""
+directions, and a 1-d scan, on inputs whose sums depend on their order (magnitudes 1e-4 to 1e4 of both signs); a
+combine function that branches on its values goes to Triton's scan."""
 
 import os
 
@@ -38,6 +39,18 @@ if triton is not None:
         tl.store(out_ptr + 6 * M * N + tl.arange(0, N), p1)
 
 
+    @triton.jit
+    def _max_by_branch(a, b):
+        if a > b:
+            return a
+        return b
+
+    @triton.jit
+    def _branch_kernel(x_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr):
+        offs = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
+        tl.store(out_ptr + offs, tl.associative_scan(tl.load(x_ptr + offs), 0, _max_by_branch))
+
+
 def _scans(x, y, axis, reverse):
     out = torch.zeros(7 * x.numel(), dtype=torch.float32)
     _scans_kernel[(1,)](x, y, out, M=x.shape[0], N=x.shape[1], AXIS=axis, REVERSE=reverse)
@@ -60,3 +73,11 @@ def test_row_scan_equals_the_interpreters(axis, reverse, monkeypatch):
     excl = excl.flip(axis) if reverse else excl
     scale = x64.abs().cumsum(axis).flip(axis) if reverse else x64.abs().cumsum(axis)
     assert ((fast[128:256].view(8, 16).double() - excl).abs() <= 1e-5 * scale).all()
+
+
+def test_a_branching_combine_goes_to_tritons_scan():
+    """A block's truth value would send every row down one branch: such a scan is Triton's own, a running max."""
+    x = torch.randn(8, 16)
+    out = torch.zeros_like(x)
+    _branch_kernel[(1,)](x, out, M=8, N=16)
+    assert torch.equal(out, x.cummax(0).values)
