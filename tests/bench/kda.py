@@ -25,13 +25,15 @@ Decode rows, B = 64, H = 96, K = V = 128, one token against an fp32 state: fla's
 final state out) against the project's in-place step (`kda_step_inplace_triton`, q and k already normalized) and
 the fused step from the raw projections (`kda_decode_step_triton`: the three short convs, the norms and the step).
 
-Each time is the median of `--iters` calls after two warm-ups; "peak" is `torch.cuda.max_memory_allocated()` during
-the call above what was allocated before it (inputs and the output gradient allocated beforehand). Floors: FLOPs
-of the chunked form at C = 64 per token and head, triangles counted half (L and Aqk 2·C·K, the solve C·(K+V), the
-state pass 6·K·V, Aqk·U C·V: 139 KFLOP at K = V = 128; forward+backward counted as 3x the forward), and the bytes a
-pass must move: forward q, k, v, o in bf16, g and beta in fp32 (1.54 KB per token and head); forward+backward also
-do in, dq, dk, dv out in bf16 and dg, dbeta in fp32 (4.36 KB in all). The decode floor is the fp32 state read and
-written once (805 MB at B = 64, H = 96).
+Each time is the median of `--iters` calls after two warm-ups, each call synchronized (host work included); the
+decode rows also time `--iters` calls queued back to back between CUDA events (the GPU's time a step, as in the
+CUDA graph generate.py replays; TB/s from that one), medians of five interleaved rounds; "peak" is
+`torch.cuda.max_memory_allocated()` during the call above what was allocated before it (inputs and the output
+gradient allocated beforehand). Floors: FLOPs of the chunked form at C = 64 per token and head, triangles counted
+half (L and Aqk 2·C·K, the solve C·(K+V), the state pass 6·K·V, Aqk·U C·V: 139 KFLOP at K = V = 128;
+forward+backward counted as 3x the forward), and the bytes a pass must move: forward q, k, v, o in bf16, g and
+beta in fp32 (1.54 KB per token and head); forward+backward also do in, dq, dk, dv out in bf16 and dg, dbeta in
+fp32 (4.36 KB in all). The decode floor is the fp32 state read and written once (805 MB at B = 64, H = 96).
 
 fla's autotuning results are kept on disk (`TRITON_CACHE_AUTOTUNING=1`, unless set otherwise): a later call on the
 same machine skips the minutes of tuning a shape costs the first time.
@@ -73,6 +75,21 @@ def measure(fn, iters: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2] * 1e3, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def measure_queued(fn, calls: int = 20) -> float:
+    """ms a call of `calls` calls queued back to back between two CUDA events (no synchronization between them):
+    the GPU's time a call once the host runs ahead, as in a CUDA graph (generate.py replays the decode step as one),
+    where `measure`'s synchronized call also counts the host's launch work (tens of µs in Python)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def inputs(T: int, H: int, D: int, dev, *, B: int = 1) -> dict:
@@ -198,7 +215,8 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
     nbytes = 2 * state.numel() * 4
     print(f"\nKDA decode step, B = {B}, H = {H}, K = V = {D}: fp32 state {nbytes / 2 / 1e6:.0f} MB, read and written "
           f"once {nbytes / 1e6:.0f} MB = {nbytes / PEAK_TBS / 1e9 * 1e3:.0f} us at {PEAK_TBS} TB/s", flush=True)
-    print("| implementation | us | TB/s (state r+w) | peak GiB |\n|---|---|---|---|", flush=True)
+    print("| implementation | µs queued | TB/s (state r+w) | µs one synchronized call | peak GiB |\n"
+          "|---|---|---|---|---|", flush=True)
 
     q, k, v, g, beta = (x[n][:, 0] for n in ("q", "k", "v", "g", "beta"))
     s = state.clone()
@@ -222,12 +240,15 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale, stream=True))
     res = {name: [] for name in rows}
+    queued = {name: [] for name in rows}
     for _ in range(5):   # interleaved rounds: the GPU's drift (±15 % between calls) lands on every row alike
         for name, fn in rows.items():
             res[name].append(measure(fn, iters))
+            queued[name].append(measure_queued(fn, iters))
     for name, ms_peak in res.items():
         ms, peak = sorted(ms_peak)[2]
-        print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} | {peak:.2f} |", flush=True)
+        mq = sorted(queued[name])[2]
+        print(f"| {name} | {mq * 1e3:,.0f} | {nbytes / mq / 1e9:.2f} | {ms * 1e3:,.0f} | {peak:.2f} |", flush=True)
     if sweep:   # launch sweep of both kernels (no register cap when a config is given), interleaved rounds
         ip, fu = kda_decode_triton.kda_step_inplace_triton, kda_decode_triton.kda_decode_step_triton
         configs = {}
@@ -247,8 +268,9 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
         times: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(3):   # rounds over all configs: the GPU's drift lands on every config alike
             for name, fn in configs.items():
-                times[name].append(measure(fn, iters)[0])
-        print("\nsweep, median of 3 interleaved rounds\n| launch | us | TB/s |\n|---|---|---|", flush=True)
+                times[name].append(measure_queued(fn, iters))
+        print("\nsweep, calls queued back to back, median of 3 interleaved rounds\n| launch | µs | TB/s |\n"
+              "|---|---|---|", flush=True)
         for name, ts in sorted(times.items(), key=lambda kv: sorted(kv[1])[1]):
             ms = sorted(ts)[1]
             print(f"| {name} | {ms * 1e3:,.0f} | {nbytes / ms / 1e9:.2f} |", flush=True)
