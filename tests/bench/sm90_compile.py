@@ -6,7 +6,7 @@ specialized as Triton's launcher does (16-byte-aligned pointers and ints divisib
 large.
 
     python tests/bench/sm90_compile.py indexer indexer-select sparse-fwd sparse-dq sparse-dkv kda-fwd
-    python tests/bench/sm90_compile.py kda-bwd
+    python tests/bench/sm90_compile.py kda-bwd kda-decode
     python tests/bench/sm90_compile.py kda-fwd --v3 strip_warps=4      # under other kda_triton.V3 options
 
 Needs a Triton with its NVIDIA backend (a Linux wheel; the device's version is 3.6: `pip install triton==3.6.0`
@@ -453,9 +453,32 @@ def kda_bwd_saved():
             num_stages=c["num_stages"])
 
 
+def kda_decode():
+    """The decode step at K = V = 128, bf16 activations, as `kda_decode_triton._launch` runs it: the fused step (the
+    three short convs of width 4, norms, the step; one program a row and head walking its column blocks) and the
+    in-place step (column blocks over the grid)."""
+    from kimi.ops import kda_decode_triton as kd
+    import triton.language as tl
+    B, HD, KD, W = 64, 96, 128, 4
+    for fused in (True, False):
+        BK, BV, warps = kd.decode_config(KD, KD, fused=fused)
+        ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, wq_ptr=BF, wk_ptr=BF, wv_ptr=BF, tq_ptr=BF, tk_ptr=BF, tv_ptr=BF,
+                    reset_ptr="*u8", g_ptr=F32, beta_ptr=F32, state_ptr=F32, o_ptr=BF)
+        if not fused:
+            for n in ("wq_ptr", "wk_ptr", "wv_ptr", "tq_ptr", "tk_ptr", "tv_ptr"):
+                ptrs[n] = BF        # unused by the in-place step (None at launch; any pointer type compiles alike)
+        consts = dict(W=W if fused else 1, BW=triton.next_power_of_2(W if fused else 1), BK=BK, BV=BV,
+                      NB=KD // BV if fused else 1, CONV=fused, HAS_RESET=fused, DT=tl.bfloat16, EMULATE=False,
+                      STREAM=False, STAGES=1)
+        yield (f"kda decode {'fused step' if fused else 'in-place step'}, B = {B}, H = {HD}, [{BK}, {BV}] blocks, "
+               f"{warps} warps"), report(kd._decode_kernel, ptrs, dict(H=HD, K=KD, V=KD, scale=0.1, eps=1e-6),
+                                         consts, num_warps=warps)
+
+
 KERNELS = {"indexer": indexer, "indexer-select": indexer_select, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq,
            "sparse-dkv": sparse_dkv,
-           "kda-fwd": kda_fwd, "kda-fwd-v4": kda_fwd_v4, "kda-bwd": kda_bwd, "kda-bwd-saved": kda_bwd_saved}
+           "kda-fwd": kda_fwd, "kda-fwd-v4": kda_fwd_v4, "kda-bwd": kda_bwd, "kda-bwd-saved": kda_bwd_saved,
+           "kda-decode": kda_decode}
 
 
 def main():
