@@ -130,11 +130,13 @@ def test_decode_steps_match_reference(shape, dtype):
     _decode_steps(shape, dtype)
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_decode_steps_with_cache_hints_and_pipelined_blocks(stages):
-    """The benchmarks' launch options (streaming cache hints, the column-block loop software-pipelined) compute
-    the same: three column blocks a program, whose loads may run ahead of the previous block's in-place stores."""
-    _decode_steps("K=24, V=40 in blocks of 16, W=3", torch.bfloat16, stream=True, stages=stages)
+@pytest.mark.parametrize("launch", [dict(stream=True), dict(stream=True, stages=2), dict(max_registers=64)],
+                         ids=["stream", "stream-2-stages", "register-cap"])
+def test_decode_steps_with_benchmark_launch_options(launch):
+    """The benchmarks' launch options (streaming cache hints, the column-block loop software-pipelined, a register
+    cap) compute the same: three column blocks a program, whose loads may run ahead of the previous block's in-place
+    stores."""
+    _decode_steps("K=24, V=40 in blocks of 16, W=3", torch.bfloat16, **launch)
 
 
 def _decode_steps(shape, dtype, **launch):
@@ -293,6 +295,11 @@ def test_launch_config_and_errors():
         kd.kda_decode_step_triton(*args(S, torch.zeros(B, H * K, W - 1).transpose(1, 2)), scale=0.25)
     with pytest.raises(ValueError, match="shapes"):
         kd.kda_decode_step_triton(*args(torch.zeros(B, H, K, 2 * K)), scale=0.25)
+    with pytest.raises(ValueError, match="max_registers=300"):
+        kd.kda_decode_step_triton(*args(S), scale=0.25, max_registers=300)
+    with pytest.raises(ValueError, match="max_registers=8"):
+        kd.kda_step_inplace_triton(x.view(B, H, K), x.view(B, H, K), x.view(B, H, K), torch.zeros(B, H, K),
+                                   torch.zeros(B, H), S, scale=0.25, max_registers=8)
     with pytest.raises(ValueError, match="at least 2"):
         w1 = torch.randn(H * K, 1, 1)
         kd.kda_decode_step_triton(x, x, x, w1, w1, w1, *(torch.zeros(B, 0, H * K) for _ in range(3)),
@@ -303,7 +310,8 @@ def test_launch_config_and_errors():
 # ---------------------------------------------------------------------------------------------- GPU, K3 decode shape
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32)], ids=["default", "stream"])
+@pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(max_registers=128)],
+                         ids=["default", "stream", "register-cap"])
 def test_gpu_k3_decode_matches_reference(launch):
     """B=64, H=96, K=V=128, bf16 activations, fp32 state, three steps (rows restarting at each, and mid-document),
     against the float64 reference on the GPU. At this size near-tie roundings are not redrawn (~1e-4 of the rounded

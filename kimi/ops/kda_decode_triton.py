@@ -140,7 +140,7 @@ STREAM = False
 
 
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
-            stream=None, stages=1):
+            stream=None, stages=1, max_registers=None):
     B, H, K, V = state.shape
     BK, BV, warps = decode_config(K, V, fused=conv)
     if block_v is not None or num_warps is not None:   # a benchmark's choice
@@ -149,19 +149,22 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
         BV, warps = block_v or BV, num_warps or warps
     NV = triton.cdiv(V, BV)
     NB, splits = (NV, 1) if conv else (1, NV)   # the fused step walks its column blocks, the plain one splits them
+    if max_registers is not None and not 24 <= max_registers <= 255:
+        raise ValueError(f"kda decode: max_registers={max_registers} must be None or within [24, 255] (ptxas)")
+    cap = {} if max_registers is None else dict(maxnreg=max_registers)
     if B * H:
         _decode_kernel[(B * H, splits)](
             q, k, v, *weights, *tails, reset, g, beta, state, o, H, K, V, scale, eps,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
-            STAGES=stages, num_warps=warps)
+            STAGES=stages, num_warps=warps, **cap)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
                            v_weight: Tensor, q_tail: Tensor, k_tail: Tensor, v_tail: Tensor, conv_reset: Tensor,
                            g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
                            block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None,
-                           stages: int = 1) -> Tensor:
+                           stages: int = 1, max_registers: int | None = None) -> Tensor:
     """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
 
     Args:
@@ -176,7 +179,8 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         state [B, H, K, V] float32, contiguous: the recurrent state, updated in place.
         scale: the query scale (K^-1/2); eps: `l2norm`'s (inside the sqrt).
         block_v, num_warps: override `decode_config`; stream: cache hints (`STREAM`); stages: the column-block
-            loop's software-pipelining depth (benchmarks).
+            loop's software-pipelining depth; max_registers: ptxas's register cap a thread (more programs an SM,
+            more of the state in flight, at the price of spills); all four for benchmarks.
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """
@@ -203,17 +207,18 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         t.contiguous() for t in (q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, g, beta))
     _launch(q_raw, k_raw, v_raw, (q_weight, k_weight, v_weight), (q_tail, k_tail, v_tail),
             conv_reset.contiguous().view(torch.uint8), g, beta, state, o, scale=scale, eps=eps, W=W, conv=True,
-            block_v=block_v, num_warps=num_warps, stream=stream, stages=stages)
+            block_v=block_v, num_warps=num_warps, stream=stream, stages=stages, max_registers=max_registers)
     return o
 
 
 def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
                             reset: Tensor | None = None, *, scale: float, block_v: int | None = None,
-                            num_warps: int | None = None, stream: bool | None = None) -> Tensor:
+                            num_warps: int | None = None, stream: bool | None = None,
+                            max_registers: int | None = None) -> Tensor:
     """`delta_rule.kda_step` with the state updated in place: q, k [B, H, K] already normalized, v [B, H, V], g
     [B, H, K], beta [B, H], state [B, H, K, V] float32 contiguous, reset [B] bool or None (True: the row's state
     restarts from 0 first, as `state * keep`). Programs over (b·H + h, block of BV state columns). Returns o
-    [B, H, V] in v.dtype."""
+    [B, H, V] in v.dtype. block_v, num_warps, stream, max_registers: as `kda_decode_step_triton`'s."""
     B, H, K, V = state.shape
     shapes = dict(q=(q, (B, H, K)), k=(k, (B, H, K)), v=(v, (B, H, V)), g=(g, (B, H, K)), beta=(beta, (B, H)))
     if reset is not None:
@@ -227,7 +232,7 @@ def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     if reset is not None:
         reset = reset.contiguous().view(torch.uint8)
     _launch(q, k, v, (None,) * 3, (None,) * 3, reset, g, beta, state, o, scale=scale, eps=0.0, W=1, conv=False,
-            block_v=block_v, num_warps=num_warps, stream=stream)
+            block_v=block_v, num_warps=num_warps, stream=stream, max_registers=max_registers)
     return o
 
 
