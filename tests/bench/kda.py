@@ -249,7 +249,7 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
         ms, peak = sorted(ms_peak)[2]
         mq = sorted(queued[name])[2]
         print(f"| {name} | {mq * 1e3:,.0f} | {nbytes / mq / 1e9:.2f} | {ms * 1e3:,.0f} | {peak:.2f} |", flush=True)
-    if sweep:   # launch sweep of both kernels (no register cap when a config is given), interleaved rounds
+    if sweep:   # launch sweep of both kernels, interleaved rounds
         ip, fu = kda_decode_triton.kda_step_inplace_triton, kda_decode_triton.kda_decode_step_triton
         configs = {}
         # register caps: more programs an SM hold more of the state in flight (spilling the rest); stages are not

@@ -462,11 +462,9 @@ def kda_decode():
     B, HD, KD, W = 64, 96, 128, 4
     for fused in (True, False):
         BK, BV, warps = kd.decode_config(KD, KD, fused=fused)
+        # the in-place step's conv weights and tails are None at launch and unused (CONV off): typed alike here
         ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, wq_ptr=BF, wk_ptr=BF, wv_ptr=BF, tq_ptr=BF, tk_ptr=BF, tv_ptr=BF,
                     reset_ptr="*u8", g_ptr=F32, beta_ptr=F32, state_ptr=F32, o_ptr=BF)
-        if not fused:
-            for n in ("wq_ptr", "wk_ptr", "wv_ptr", "tq_ptr", "tk_ptr", "tv_ptr"):
-                ptrs[n] = BF        # unused by the in-place step (None at launch; any pointer type compiles alike)
         consts = dict(W=W if fused else 1, BW=triton.next_power_of_2(W if fused else 1), BK=BK, BV=BV,
                       NB=KD // BV if fused else 1, CONV=fused, HAS_RESET=fused, DT=tl.bfloat16, EMULATE=False,
                       STREAM=False, STAGES=1)
