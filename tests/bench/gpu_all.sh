@@ -39,7 +39,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONWARNINGS=ignore   # keeps an installed carry's path
-# a carried Triton cache (pack.sh's .dev-b/tcache): fla's autotuning results from earlier calls are reused
+# a Triton cache carried in .dev-b/tcache (kept from earlier calls' $OUT): fla's autotuning results are reused
 # (TRITON_CACHE_AUTOTUNING), saving the minutes a shape costs the first time on a fresh machine
 if [ -d .dev-b/tcache ] && [ -z "${TRITON_CACHE_DIR:-}" ]; then
   export TRITON_CACHE_DIR=$PWD/.dev-b/tcache TRITON_CACHE_AUTOTUNING=1
