@@ -35,6 +35,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kimi.ops import indexer_triton as it  # noqa: E402
 from kimi.ops import kda_bwd_triton as kb  # noqa: E402
+from kimi.ops import kda_decode_triton as kd  # noqa: E402
 from kimi.ops import kda_triton as kt  # noqa: E402
 from kimi.ops import sparse_mla_triton as sm  # noqa: E402
 from kda import parse_v3  # noqa: E402
@@ -457,8 +458,6 @@ def kda_decode():
     """The decode step at K = V = 128, bf16 activations, as `kda_decode_triton._launch` runs it: the fused step (the
     three short convs of width 4, norms, the step; one program a row and head walking its column blocks) and the
     in-place step (column blocks over the grid)."""
-    from kimi.ops import kda_decode_triton as kd
-    import triton.language as tl
     B, HD, KD, W = 64, 96, 128, 4
     for fused in (True, False):
         BK, BV, warps = kd.decode_config(KD, KD, fused=fused)
@@ -466,8 +465,8 @@ def kda_decode():
         ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, wq_ptr=BF, wk_ptr=BF, wv_ptr=BF, tq_ptr=BF, tk_ptr=BF, tv_ptr=BF,
                     reset_ptr="*u8", g_ptr=F32, beta_ptr=F32, state_ptr=F32, o_ptr=BF)
         consts = dict(W=W if fused else 1, BW=triton.next_power_of_2(W if fused else 1), BK=BK, BV=BV,
-                      NB=KD // BV if fused else 1, CONV=fused, HAS_RESET=fused, DT=tl.bfloat16, EMULATE=False,
-                      STREAM=False, STAGES=1)
+                      NB=KD // BV if fused else 1, CONV=fused, HAS_RESET=fused, DT=triton.language.bfloat16,
+                      EMULATE=False, STREAM=False, STAGES=1)
         yield (f"kda decode {'fused step' if fused else 'in-place step'}, B = {B}, H = {HD}, [{BK}, {BV}] blocks, "
                f"{warps} warps"), report(kd._decode_kernel, ptrs, dict(H=HD, K=KD, V=KD, scale=0.1, eps=1e-6),
                                          consts, num_warps=warps)
