@@ -130,12 +130,15 @@ def test_decode_steps_match_reference(shape, dtype):
     _decode_steps(shape, dtype)
 
 
-@pytest.mark.parametrize("launch", [dict(stream=True), dict(stream=True, stages=2), dict(max_registers=64)],
-                         ids=["stream", "stream-2-stages", "register-cap"])
+@pytest.mark.parametrize("launch", [dict(stream=True), dict(stream=True, stages=2), dict(max_registers=64),
+                                    dict(v_first=True), dict(v_first=True, stages=2),
+                                    dict(v_first=True, state_ahead=True)],
+                         ids=["stream", "stream-2-stages", "register-cap", "v-first", "v-first-2-stages",
+                              "state-ahead"])
 def test_decode_steps_with_benchmark_launch_options(launch):
     """The benchmarks' launch options (streaming cache hints, the column-block loop software-pipelined, a register
-    cap) compute the same: three column blocks a program, whose loads may run ahead of the previous block's in-place
-    stores."""
+    cap, v's conv before the loop with o holding it, the state loaded a block ahead) compute the same: three column
+    blocks a program, whose loads may run ahead of the previous block's in-place stores."""
     _decode_steps("K=24, V=40 in blocks of 16, W=3", torch.bfloat16, **launch)
 
 
@@ -297,6 +300,8 @@ def test_launch_config_and_errors():
         kd.kda_decode_step_triton(*args(torch.zeros(B, H, K, 2 * K)), scale=0.25)
     with pytest.raises(ValueError, match="max_registers=300"):
         kd.kda_decode_step_triton(*args(S), scale=0.25, max_registers=300)
+    with pytest.raises(ValueError, match="state_ahead needs"):
+        kd.kda_decode_step_triton(*args(S), scale=0.25, state_ahead=True)
     with pytest.raises(ValueError, match="max_registers=8"):
         kd.kda_step_inplace_triton(x.view(B, H, K), x.view(B, H, K), x.view(B, H, K), torch.zeros(B, H, K),
                                    torch.zeros(B, H), S, scale=0.25, max_registers=8)
@@ -310,8 +315,10 @@ def test_launch_config_and_errors():
 # ---------------------------------------------------------------------------------------------- GPU, K3 decode shape
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(max_registers=128)],
-                         ids=["default", "stream", "register-cap"])
+@pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(max_registers=128),
+                                    dict(v_first=True, block_v=32, num_warps=4),
+                                    dict(v_first=True, state_ahead=True, block_v=16, num_warps=2)],
+                         ids=["default", "stream", "register-cap", "v-first", "state-ahead"])
 def test_gpu_k3_decode_matches_reference(launch):
     """B=64, H=96, K=V=128, bf16 activations, fp32 state, three steps (rows restarting at each, and mid-document),
     against the float64 reference on the GPU. At this size near-tie roundings are not redrawn (~1e-4 of the rounded

@@ -65,26 +65,51 @@ if triton is not None:
         return _to16(y, DT, EMULATE).to(tl.float32)
 
     @triton.jit
+    def _load_state(s_row, keep, mk, vv, V, STREAM: tl.constexpr):
+        """The [K, BV] block of S at the columns vv (rows at s_row [K, 1]), zeros where not keep (a restart reads
+        nothing). STREAM: evict-first (the state is touched once a step: keep it from evicting the weights' lines
+        in L2)."""
+        m = tl.where(keep, mk[:, None] & (vv < V)[None, :], False)
+        if STREAM:
+            return tl.load(s_row + vv[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+        return tl.load(s_row + vv[None, :], mask=m, other=0.0)
+
+    @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, tq_ptr, tk_ptr, tv_ptr, reset_ptr,
                        g_ptr, beta_ptr, state_ptr, o_ptr, H, K, V, scale, eps,
                        W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
                        CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
-                       STREAM: tl.constexpr, STAGES: tl.constexpr):
+                       STREAM: tl.constexpr, STAGES: tl.constexpr, V_FIRST: tl.constexpr = False,
+                       BVA: tl.constexpr = 16, AHEAD: tl.constexpr = False):
         # program (b·H + h, column split s): columns [s·NB·BV, (s+1)·NB·BV) of S in NB blocks of BV. With CONV
         # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
         # [B, H, K] are normalized, v [B, H, V], reset [B] (HAS_RESET). g [B, H, K], beta [B, H], state
         # [B, H, K, V], o [B, H, V], all dense. CONV: one column split (the program shifts the q/k tails).
+        # V_FIRST (`v_first`, CONV only): v's conv over all V columns (BVA: V's power of two) beside q's and k's
+        # before the loop, stored in o (the activation dtype it is rounded to), which the loop reads back a block
+        # at a time before overwriting it: the loop then loads, updates and stores S with no conv (and no
+        # barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead, the first block before
+        # the convs, block i + 1 while block i is updated (two blocks live).
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
         kk = tl.arange(0, BK)
         mk = kk < K
+        s_row = state_ptr + bh * K * V + kk[:, None] * V
         if CONV:
             keep = tl.load(reset_ptr + b * W + (W - 1)) == 0
+            if AHEAD:
+                S_next = _load_state(s_row, keep, mk, tl.program_id(1) * NB * BV + tl.arange(0, BV), V, STREAM)
             q = _l2norm(_conv_token(q_ptr, tq_ptr, wq_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
                         eps, DT, EMULATE)
             k = _l2norm(_conv_token(k_ptr, tk_ptr, wk_ptr, reset_ptr, b, h * K + kk, mk, H * K, W, BW, DT, EMULATE),
                         eps, DT, EMULATE)
+            if V_FIRST:
+                va = tl.arange(0, BVA)
+                v_all = _conv_token(v_ptr, tv_ptr, wv_ptr, reset_ptr, b, h * V + va, va < V, H * V, W, BW, DT,
+                                    EMULATE)
+                tl.store(o_ptr + bh * V + va, v_all.to(o_ptr.dtype.element_ty), mask=va < V)
+                tl.debug_barrier()   # every thread's v stored before any reads a block of it back
         else:
             if HAS_RESET:
                 keep = tl.load(reset_ptr + b) == 0
@@ -98,21 +123,27 @@ if triton is not None:
         for i in tl.range(NB, num_stages=STAGES):
             vv = (tl.program_id(1) * NB + i) * BV + tl.arange(0, BV)
             mv = vv < V
-            if CONV:
+            m = mk[:, None] & mv[None, :]
+            s_ptrs = s_row + vv[None, :]
+            if AHEAD:
+                S = S_next
+                S_next = _load_state(s_row, keep, mk, vv + BV, V, STREAM)   # past V in the last block: masked
+                v = tl.load(o_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
+            elif V_FIRST:
+                S = _load_state(s_row, keep, mk, vv, V, STREAM)
+                v = tl.load(o_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
+            elif CONV:
                 v = _conv_token(v_ptr, tv_ptr, wv_ptr, reset_ptr, b, h * V + vv, mv, H * V, W, BW, DT, EMULATE)
+                S = _load_state(s_row, keep, mk, vv, V, STREAM)
             else:
                 v = tl.load(v_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
-            m = mk[:, None] & mv[None, :]
-            s_ptrs = state_ptr + bh * K * V + kk[:, None] * V + vv[None, :]
-            if STREAM:   # the state is touched once a step: keep it from evicting the weights' lines in L2
-                S = tl.load(s_ptrs, mask=tl.where(keep, m, False), other=0.0, eviction_policy="evict_first")
-            else:
-                S = tl.load(s_ptrs, mask=tl.where(keep, m, False), other=0.0)   # a restart reads nothing
+                S = _load_state(s_row, keep, mk, vv, V, STREAM)
             S = decay[:, None] * S
             u = beta * (v - tl.sum(S * k[:, None], 0))
             S = S + k[:, None] * u[None, :]
             o = tl.sum(S * qs[:, None], 0)
-            tl.debug_barrier()   # as in _conv_token: all reads of this block of S before the first write
+            tl.debug_barrier()   # as in _conv_token: all reads of this block of S (and of v in o) before the first
+            #                      write
             if STREAM:
                 tl.store(s_ptrs, S, mask=m, cache_modifier=".cs")
             else:
@@ -140,7 +171,7 @@ STREAM = False
 
 
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
-            stream=None, stages=1, max_registers=None):
+            stream=None, stages=1, max_registers=None, v_first=False, state_ahead=False):
     B, H, K, V = state.shape
     BK, BV, warps = decode_config(K, V, fused=conv)
     if block_v is not None or num_warps is not None:   # a benchmark's choice
@@ -152,19 +183,24 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
     if max_registers is not None and not 24 <= max_registers <= 255:
         raise ValueError(f"kda decode: max_registers={max_registers} must be None or within [24, 255] (ptxas)")
     cap = {} if max_registers is None else dict(maxnreg=max_registers)
+    if state_ahead and not (conv and v_first):
+        raise ValueError("kda decode: state_ahead needs the fused step with v_first=True")
     if B * H:
         _decode_kernel[(B * H, splits)](
             q, k, v, *weights, *tails, reset, g, beta, state, o, H, K, V, scale, eps,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
-            STAGES=stages, num_warps=warps, **cap)
+            STAGES=stages, V_FIRST=v_first and conv, BVA=max(16, triton.next_power_of_2(V)), AHEAD=state_ahead,
+            num_warps=warps,
+            **cap)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
                            v_weight: Tensor, q_tail: Tensor, k_tail: Tensor, v_tail: Tensor, conv_reset: Tensor,
                            g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
                            block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None,
-                           stages: int = 1, max_registers: int | None = None) -> Tensor:
+                           stages: int = 1, max_registers: int | None = None, v_first: bool = False,
+                           state_ahead: bool = False) -> Tensor:
     """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
 
     Args:
@@ -180,7 +216,9 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         scale: the query scale (K^-1/2); eps: `l2norm`'s (inside the sqrt).
         block_v, num_warps: override `decode_config`; stream: cache hints (`STREAM`); stages: the column-block
             loop's software-pipelining depth; max_registers: ptxas's register cap a thread (more programs an SM,
-            more of the state in flight, at the price of spills); all four for benchmarks.
+            more of the state in flight, at the price of spills); v_first: v's conv for all columns before the
+            state's loop (o holds it until overwritten) instead of a block's before each block; state_ahead (with
+            v_first): S loaded a block ahead (the first block before the convs); all six for benchmarks.
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """
@@ -207,7 +245,8 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         t.contiguous() for t in (q_raw, k_raw, v_raw, q_weight, k_weight, v_weight, g, beta))
     _launch(q_raw, k_raw, v_raw, (q_weight, k_weight, v_weight), (q_tail, k_tail, v_tail),
             conv_reset.contiguous().view(torch.uint8), g, beta, state, o, scale=scale, eps=eps, W=W, conv=True,
-            block_v=block_v, num_warps=num_warps, stream=stream, stages=stages, max_registers=max_registers)
+            block_v=block_v, num_warps=num_warps, stream=stream, stages=stages, max_registers=max_registers,
+            v_first=v_first, state_ahead=state_ahead)
     return o
 
 

@@ -239,6 +239,13 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
     rows["ours kda_decode_step_triton, streaming cache hints"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale, stream=True))
+    rows["ours kda_decode_step_triton, v's conv first, [128, 32] on 4 warps"] = (
+        lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
+                                                         scale=scale, v_first=True, block_v=32, num_warps=4))
+    rows["ours kda_decode_step_triton, v's conv first, the state a block ahead, [128, 16] on 2 warps"] = (
+        lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
+                                                         scale=scale, v_first=True, state_ahead=True, block_v=16,
+                                                         num_warps=2))
     res = {name: [] for name in rows}
     queued = {name: [] for name in rows}
     for _ in range(5):   # interleaved rounds: the GPU's drift (±15 % between calls) lands on every row alike
@@ -262,13 +269,19 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
                         lambda bv=bv, warps=warps, stream=stream, cap=cap: ip(
                             q, k, v, g, beta, s, scale=scale, block_v=bv, num_warps=warps, stream=stream,
                             max_registers=cap))
-        for bv in (16, 32, 64):
+        for bv in (16, 32, 64, 128):
             for warps in (2, 4, 8):
-                for stream, cap in variants:
-                    configs[f"fused, block_v={bv}, {warps} warps, stream={stream}, registers {cap or 'any'}"] = (
-                        lambda bv=bv, warps=warps, stream=stream, cap=cap: fu(
-                            *raw, *weights, *tails, conv_reset, g, beta, s, scale=scale, block_v=bv, num_warps=warps,
-                            stream=stream, max_registers=cap))
+                # v's conv before the loop (v first), and the state then loaded a block ahead (ahead)
+                for v_first, ahead in ((False, False), (True, False), (True, True)):
+                    for stream, cap in variants:
+                        if bv == 128 and (not v_first or ahead or warps < 8):
+                            continue
+                        configs[f"fused, block_v={bv}, {warps} warps, v first {v_first}, ahead {ahead}, "
+                                f"stream={stream}, registers {cap or 'any'}"] = (
+                            lambda bv=bv, warps=warps, v_first=v_first, ahead=ahead, stream=stream, cap=cap: fu(
+                                *raw, *weights, *tails, conv_reset, g, beta, s, scale=scale, block_v=bv,
+                                num_warps=warps, stream=stream, max_registers=cap, v_first=v_first,
+                                state_ahead=ahead))
         times: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(3):   # rounds over all configs: the GPU's drift lands on every config alike
             for name, fn in configs.items():

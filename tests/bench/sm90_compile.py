@@ -456,20 +456,26 @@ def kda_bwd_saved():
 
 def kda_decode():
     """The decode step at K = V = 128, bf16 activations, as `kda_decode_triton._launch` runs it: the fused step (the
-    three short convs of width 4, norms, the step; one program a row and head walking its column blocks) and the
-    in-place step (column blocks over the grid)."""
+    three short convs of width 4, norms, the step; one program a row and head walking its column blocks), the same
+    with v's conv before the loop (`v_first`; also loading the state a block ahead: `state_ahead`) at launches the
+    decode sweep times, and the in-place step (column blocks over the grid)."""
     B, HD, KD, W = 64, 96, 128, 4
-    for fused in (True, False):
-        BK, BV, warps = kd.decode_config(KD, KD, fused=fused)
-        # the in-place step's conv weights and tails are None at launch and unused (CONV off): typed alike here
-        ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, wq_ptr=BF, wk_ptr=BF, wv_ptr=BF, tq_ptr=BF, tk_ptr=BF, tv_ptr=BF,
-                    reset_ptr="*u8", g_ptr=F32, beta_ptr=F32, state_ptr=F32, o_ptr=BF)
-        consts = dict(W=W if fused else 1, BW=triton.next_power_of_2(W if fused else 1), BK=BK, BV=BV,
-                      NB=KD // BV if fused else 1, CONV=fused, HAS_RESET=fused, DT=triton.language.bfloat16,
-                      EMULATE=False, STREAM=False, STAGES=1)
-        yield (f"kda decode {'fused step' if fused else 'in-place step'}, B = {B}, H = {HD}, [{BK}, {BV}] blocks, "
-               f"{warps} warps"), report(kd._decode_kernel, ptrs, dict(H=HD, K=KD, V=KD, scale=0.1, eps=1e-6),
-                                         consts, num_warps=warps)
+    # the in-place step's conv weights and tails are None at launch and unused (CONV off): typed alike here
+    ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, wq_ptr=BF, wk_ptr=BF, wv_ptr=BF, tq_ptr=BF, tk_ptr=BF, tv_ptr=BF,
+                reset_ptr="*u8", g_ptr=F32, beta_ptr=F32, state_ptr=F32, o_ptr=BF)
+    # (BK, BV, warps, v_first, state_ahead); v_first None: the in-place step
+    fused = [(*kd.decode_config(KD, KD, fused=True), False, False)] + [
+        (128, bv, w, True, ahead) for bv, w, ahead in ((16, 2, False), (32, 2, False), (32, 4, False), (64, 8, False),
+                                                       (128, 8, False), (16, 2, True), (32, 4, True))]
+    for BK, BV, warps, v_first, ahead in fused + [(*kd.decode_config(KD, KD, fused=False), None, False)]:
+        conv = v_first is not None
+        consts = dict(W=W if conv else 1, BW=triton.next_power_of_2(W if conv else 1), BK=BK, BV=BV,
+                      NB=KD // BV if conv else 1, CONV=conv, HAS_RESET=conv, DT=triton.language.bfloat16,
+                      EMULATE=False, STREAM=False, STAGES=1, V_FIRST=bool(v_first), BVA=KD, AHEAD=ahead)
+        what = ("in-place step" if not conv else "fused step" + (", v's conv first" if v_first else "")
+                + (", the state a block ahead" if ahead else ""))
+        yield (f"kda decode {what}, B = {B}, H = {HD}, [{BK}, {BV}] blocks, {warps} warps"), report(
+            kd._decode_kernel, ptrs, dict(H=HD, K=KD, V=KD, scale=0.1, eps=1e-6), consts, num_warps=warps)
 
 
 KERNELS = {"indexer": indexer, "indexer-select": indexer_select, "sparse-fwd": sparse_fwd, "sparse-dq": sparse_dq,
