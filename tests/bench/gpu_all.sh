@@ -109,7 +109,7 @@ for part in "$@"; do
     kda) run kda 400 python -W ignore tests/bench/kda.py ;;
     decode-graphs) run decode-graphs 200 python -m pytest -q -x tests/test_decode.py -m gpu ;;
     kda-quick) run kda-quick 150 python -W ignore tests/bench/kda.py --no-fla-chunk ;;
-    kda-decode-sweep) run kda-decode-sweep 120 python -W ignore tests/bench/kda.py --shapes --decode-sweep ;;
+    kda-decode-sweep) run kda-decode-sweep 300 python -W ignore tests/bench/kda.py --shapes --decode-sweep ;;
     fsdp) run fsdp 580 python -W ignore tests/bench/fsdp.py ;;
     fsdp-eager) run fsdp-eager 580 python -W ignore tests/bench/fsdp.py --compile off ;;
     fsdp-fp32) run fsdp-fp32 580 python -W ignore tests/bench/fsdp.py --compile off --dtype float32 --no-tf32 \
