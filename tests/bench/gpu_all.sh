@@ -17,6 +17,9 @@
 #   bash tests/bench/gpu_all.sh sparse                     # those kernels against the torch references and cuDNN
 #                                                          # (tests/bench/sparse_kernels.py, 8K and 32K)
 #   bash tests/bench/gpu_all.sh sparse-tune                # their launch sweep (tests/bench/sparse_tune.py, 8K)
+#   bash tests/bench/gpu_all.sh sparse-l2                  # Nsight Compute's speed-of-light and memory sections of the
+#                                                          # sparse forward and ds/p/dlatent kernels at 8K: are they
+#                                                          # L2-bound (docs/performance.md, sparse round 12)?
 #   bash tests/bench/gpu_all.sh cudnn-tests                # attn='cudnn' on the real kernels (cuDNN Frontend installed)
 #   bash tests/bench/gpu_all.sh kda-triton-tests           # the Triton KDA kernels (forward, backward, decode) at
 #                                                          # real sizes
@@ -91,6 +94,9 @@ for part in "$@"; do
     sparse-tests) run sparse-tests 300 python -m pytest -q -x tests/test_sparse_mla_triton.py \
                     tests/test_indexer_triton.py -m gpu ;;
     sparse) run sparse 400 python -W ignore tests/bench/sparse_kernels.py ;;
+    sparse-l2) run sparse-l2 400 ncu --kernel-name regex:'_fwd_chunks_kernel|_bwd_pds_kernel' --launch-count 4 \
+                 --section SpeedOfLight --section MemoryWorkloadAnalysis --metrics lts__t_bytes.sum,lts__t_bytes.sum.per_second \
+                 python -W ignore tests/bench/sparse_kernels.py --tokens 8192 --iters 1 --no-indexer ;;
     sparse-tune) run sparse-tune 400 python -W ignore tests/bench/sparse_tune.py --tokens 8192 ;;
     cudnn-tests) run cudnn-tests 400 python -m pytest -q -x -rP tests/test_cudnn_backend.py -m gpu ;;
     kda-triton-tests) run kda-triton-tests 400 python -m pytest -q tests/test_kda_triton.py \
@@ -120,6 +126,6 @@ for part in "$@"; do
       if [ "$part" = long-train ]; then args=(--seq 32768 --profile); else args=(--seq 65536); fi
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run "$part" 330 python -W ignore tests/bench/train.py \
         --experts 64 --topk 16 --lora-rank 16 --recompute --warmup 1 --steps 2 "${args[@]}" ;;
-    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-attn, train-chunk, recompute, recompute-long, sparse-tests, sparse, sparse-tune, cudnn-tests, kda-triton-tests, kda-rows, kda-train, kda, kda-quick, kda-decode-sweep, decode-graphs, fsdp, fsdp-eager, fsdp-fp32, long-prefill, long-train, long-train-64k)"; exit 2 ;;
+    *) echo "unknown part $part (tests, decode, profile, generate, compile, compile-chunk, compile-triton, train, train-2048, train-attn, train-chunk, recompute, recompute-long, sparse-tests, sparse, sparse-tune, sparse-l2, cudnn-tests, kda-triton-tests, kda-rows, kda-train, kda, kda-quick, kda-decode-sweep, decode-graphs, fsdp, fsdp-eager, fsdp-fp32, long-prefill, long-train, long-train-64k)"; exit 2 ;;
   esac
 done
