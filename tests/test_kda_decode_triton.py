@@ -130,16 +130,23 @@ def test_decode_steps_match_reference(shape, dtype):
     _decode_steps(shape, dtype)
 
 
-@pytest.mark.parametrize("launch", [dict(stream=True), dict(stream=True, stages=2), dict(max_registers=64),
-                                    dict(v_first=True), dict(v_first=True, stages=2),
-                                    dict(v_first=True, state_ahead=True)],
-                         ids=["stream", "stream-2-stages", "register-cap", "v-first", "v-first-2-stages",
-                              "state-ahead"])
-def test_decode_steps_with_benchmark_launch_options(launch):
+THREE_BLOCKS = "K=24, V=40 in blocks of 16, W=3"
+
+
+@pytest.mark.parametrize("shape, dtype, launch", [
+    (THREE_BLOCKS, torch.bfloat16, dict(stream=True)), (THREE_BLOCKS, torch.bfloat16, dict(stream=True, stages=2)),
+    (THREE_BLOCKS, torch.bfloat16, dict(max_registers=64)), (THREE_BLOCKS, torch.bfloat16, dict(v_first=True)),
+    (THREE_BLOCKS, torch.bfloat16, dict(v_first=True, state_ahead=True)),
+    (THREE_BLOCKS, torch.float32, dict(v_first=True, state_ahead=True)),
+    ("K=V=16", torch.bfloat16, dict(v_first=True, state_ahead=True))],
+    ids=["stream", "stream-2-stages", "register-cap", "v-first", "state-ahead", "state-ahead-fp32",
+         "state-ahead-one-block"])
+def test_decode_steps_with_benchmark_launch_options(shape, dtype, launch):
     """The benchmarks' launch options (streaming cache hints, the column-block loop software-pipelined, a register
     cap, v's conv before the loop with o holding it, the state loaded a block ahead) compute the same: three column
-    blocks a program, whose loads may run ahead of the previous block's in-place stores."""
-    _decode_steps("K=24, V=40 in blocks of 16, W=3", torch.bfloat16, **launch)
+    blocks a program (the last one partial), whose loads may run ahead of the previous block's in-place stores; and
+    one block a program."""
+    _decode_steps(shape, dtype, **launch)
 
 
 def _decode_steps(shape, dtype, **launch):
@@ -207,9 +214,12 @@ def test_decode_updates_state_and_tails_in_place_only():
     assert rel_err(state.cpu(), S_ref) < FP32_TOL
 
 
-def test_restart_reads_neither_old_state_nor_dead_taps():
+@pytest.mark.parametrize("launch", [{}, dict(v_first=True), dict(v_first=True, state_ahead=True, block_v=8)],
+                         ids=["default", "v-first", "state-ahead"])
+def test_restart_reads_neither_old_state_nor_dead_taps(launch):
     """A row whose new token starts its document computes from a zero state and zero taps without reading them:
-    NaN there (e.g. garbage left by padding) does not reach o, the state or the other row."""
+    NaN there (e.g. garbage left by padding) does not reach o, the state or the other row (also where the state is
+    loaded a block ahead, before the convs)."""
     B, H, K, V, W = 2, 2, 16, 16, 4
     weights = _conv_weights(H, K, V, W)
     conv_reset = _conv_reset(P0, W, torch.tensor([P0, 0]))   # row 0 restarts, row 1 is mid-document
@@ -224,7 +234,8 @@ def test_restart_reads_neither_old_state_nor_dead_taps():
     for t in clean[1:]:
         t[0] = 0.0
     state, *tails = _dev(S0, *t0)
-    o = kd.kda_decode_step_triton(*_dev(*xs, *weights), *tails, *_dev(conv_reset, g, beta), state, scale=K ** -0.5)
+    o = kd.kda_decode_step_triton(*_dev(*xs, *weights), *tails, *_dev(conv_reset, g, beta), state, scale=K ** -0.5,
+                                  **launch)
     o_ref, _, S_ref, _, _ = _reference_step([x.double() for x in xs], weights, [t.double() for t in clean[1:]],
                                             conv_reset, g, beta, clean[0].double(), scale=K ** -0.5,
                                             dtype=torch.float32)
@@ -364,3 +375,30 @@ def test_gpu_k3_decode_matches_reference(launch):
         us.append(ev[0].elapsed_time(ev[1]) * 1e3 / 20)
     print(f"decode step B={B} H={H} K=V={K}: triton {us[0]:.0f} us ({2 * state.numel() * 4 / us[0] / 1e6:.2f} TB/s "
           f"on the state), torch path {us[1]:.0f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", [dict(v_first=True), dict(v_first=True, state_ahead=True)],
+                         ids=["v-first", "state-ahead"])
+def test_gpu_v_first_launches_equal_the_default(launch):
+    """The fused step with v's conv before the loop (o holding v until each block overwrites it), and with the
+    state loaded a block ahead, against the default launch at the same blocks and warps, at K3's size: the same
+    arithmetic, so o and the state agree to 1e-6 and the tails exactly, over five steps (rows restarting among them).
+    A thread reading v back after another overwrote it with o, or a block of S after its store, would show here."""
+    B, H, K, V, W = 64, 96, 128, 128, 4
+    dt, dev, scale = torch.bfloat16, "cuda", K ** -0.5
+    weights = [w.to(dev) for w in _conv_weights(H, K, V, W)]
+    starts = torch.randint(0, P0 + 5, (B,))
+    tails = [torch.randn(B, W - 1, H * D, device=dev).to(dt) for D in (K, K, V)]
+    state = 0.5 * torch.randn(B, H, K, V, device=dev)
+    tails2, state2 = [t.clone() for t in tails], state.clone()
+    BK, BV, warps = kd.decode_config(K, V)
+    for step in range(5):
+        conv_reset = _conv_reset(P0 + step, W, starts).to(dev)
+        xs = [torch.randn(B, H * D, device=dev).to(dt) for D in (K, K, V)]
+        g, beta = -5 * torch.rand(B, H, K, device=dev), torch.rand(B, H, device=dev)
+        o = kd.kda_decode_step_triton(*xs, *weights, *tails, conv_reset, g, beta, state, scale=scale)
+        o2 = kd.kda_decode_step_triton(*xs, *weights, *tails2, conv_reset, g, beta, state2, scale=scale,
+                                       block_v=BV, num_warps=warps, **launch)
+        assert all(torch.equal(a, b) for a, b in zip(tails, tails2)), step
+        assert rel_err(state2, state) < 1e-6 and rel_err(o2, o) < 1e-6, step

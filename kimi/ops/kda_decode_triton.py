@@ -87,8 +87,8 @@ if triton is not None:
         # [B, H, K, V], o [B, H, V], all dense. CONV: one column split (the program shifts the q/k tails).
         # V_FIRST (`v_first`, CONV only): v's conv over all V columns (BVA: V's power of two) beside q's and k's
         # before the loop, stored in o (the activation dtype it is rounded to), which the loop reads back a block
-        # at a time before overwriting it: the loop then loads, updates and stores S with no conv (and no
-        # barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead, the first block before
+        # at a time before overwriting it: the loop then loads a block of S and of v, updates and stores them with
+        # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead, the first block before
         # the convs, block i + 1 while block i is updated (two blocks live).
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
@@ -155,9 +155,9 @@ def decode_config(K: int, V: int, fused: bool = True) -> tuple[int, int, int]:
     """(BK, BV, num_warps) of the decode kernels for head dims K, V: all K rows and BV columns of the
     state in registers, 64 state elements a thread. The fused kernel (one program per row and head, walking its
     column blocks) takes 32 columns, the in-place step (column blocks over the grid) 64. Tuned at B = 64, H = 96,
-    K = V = 128 on the H200 (`tests/bench/kda.py --decode-sweep`, docs/performance.md#kda): fused [128, 32] blocks
-    on 2 warps 396 µs against 456-502 µs for [128, 64] on 8 warps capped at 128 registers; the plain step [128, 64]
-    on 4 warps 335 µs against 369-389."""
+    K = V = 128 on the H200 (`tests/bench/kda.py --decode-sweep`, docs/performance.md#kda, the round 1 sweep):
+    fused [128, 32] blocks on 2 warps 396 µs against 456-502 µs for [128, 64] on 8 warps capped at 128 registers;
+    the plain step [128, 64] on 4 warps 335 µs against 369-389."""
     if K > 256:
         raise ValueError(f"kda decode: the key dim K={K} must be at most 256 (a [K, BV] state block stays in "
                          "registers)")
