@@ -88,8 +88,8 @@ if triton is not None:
         # V_FIRST (`v_first`, CONV only): v's conv over all V columns (BVA: V's power of two) beside q's and k's
         # before the loop, stored in o (the activation dtype it is rounded to), which the loop reads back a block
         # at a time before overwriting it: the loop then loads a block of S and of v, updates and stores them with
-        # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead, the first block before
-        # the convs, block i + 1 while block i is updated (two blocks live).
+        # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead,
+        # the first block before the convs, block i + 1 while block i is updated (two blocks live).
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -191,8 +191,7 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
             STAGES=stages, V_FIRST=v_first and conv, BVA=max(16, triton.next_power_of_2(V)), AHEAD=state_ahead,
-            num_warps=warps,
-            **cap)
+            num_warps=warps, **cap)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,

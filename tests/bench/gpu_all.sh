@@ -95,7 +95,8 @@ for part in "$@"; do
                     tests/test_indexer_triton.py -m gpu ;;
     sparse) run sparse 400 python -W ignore tests/bench/sparse_kernels.py ;;
     sparse-l2) run sparse-l2 400 ncu --kernel-name regex:'_fwd_chunks_kernel|_bwd_pds_kernel' --launch-count 4 \
-                 --section SpeedOfLight --section MemoryWorkloadAnalysis --metrics lts__t_bytes.sum,lts__t_bytes.sum.per_second \
+                 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                 --metrics lts__t_bytes.sum,lts__t_bytes.sum.per_second \
                  python -W ignore tests/bench/sparse_kernels.py --tokens 8192 --iters 1 --no-indexer ;;
     sparse-tune) run sparse-tune 400 python -W ignore tests/bench/sparse_tune.py --tokens 8192 ;;
     cudnn-tests) run cudnn-tests 400 python -m pytest -q -x -rP tests/test_cudnn_backend.py -m gpu ;;
