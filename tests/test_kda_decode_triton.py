@@ -135,15 +135,15 @@ THREE_BLOCKS = "K=24, V=40 in blocks of 16, W=3"
 
 @pytest.mark.parametrize("shape, dtype, launch", [
     (THREE_BLOCKS, torch.bfloat16, dict(stream=True)), (THREE_BLOCKS, torch.bfloat16, dict(stream=True, stages=2)),
-    (THREE_BLOCKS, torch.bfloat16, dict(max_registers=64)), (THREE_BLOCKS, torch.bfloat16, dict(v_first=True)),
+    (THREE_BLOCKS, torch.bfloat16, dict(max_registers=64)), (THREE_BLOCKS, torch.bfloat16, dict(v_first=False)),
     (THREE_BLOCKS, torch.bfloat16, dict(v_first=True, state_ahead=True)),
     (THREE_BLOCKS, torch.float32, dict(v_first=True, state_ahead=True)),
     ("K=V=16", torch.bfloat16, dict(v_first=True, state_ahead=True))],
-    ids=["stream", "stream-2-stages", "register-cap", "v-first", "state-ahead", "state-ahead-fp32",
+    ids=["stream", "stream-2-stages", "register-cap", "conv-in-loop", "state-ahead", "state-ahead-fp32",
          "state-ahead-one-block"])
 def test_decode_steps_with_benchmark_launch_options(shape, dtype, launch):
     """The benchmarks' launch options (streaming cache hints, the column-block loop software-pipelined, a register
-    cap, v's conv before the loop with o holding it, the state loaded a block ahead) compute the same: three column
+    cap, v's conv in the loop (before the default), the state loaded a block ahead) compute the same: three column
     blocks a program (the last one partial), whose loads may run ahead of the previous block's in-place stores; and
     one block a program."""
     _decode_steps(shape, dtype, **launch)
@@ -214,8 +214,8 @@ def test_decode_updates_state_and_tails_in_place_only():
     assert rel_err(state.cpu(), S_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("launch", [{}, dict(v_first=True), dict(v_first=True, state_ahead=True, block_v=8)],
-                         ids=["default", "v-first", "state-ahead"])
+@pytest.mark.parametrize("launch", [{}, dict(v_first=False), dict(v_first=True, state_ahead=True, block_v=8)],
+                         ids=["default", "conv-in-loop", "state-ahead"])
 def test_restart_reads_neither_old_state_nor_dead_taps(launch):
     """A row whose new token starts its document computes from a zero state and zero taps without reading them:
     NaN there (e.g. garbage left by padding) does not reach o, the state or the other row (also where the state is
@@ -291,7 +291,7 @@ def test_step_inplace_matches_kda_step(dtype):
 
 def test_launch_config_and_errors():
     """The launch config is a function of the head dims; misuse gets one named error."""
-    assert kd.decode_config(128, 128) == (128, 32, 2) and kd.decode_config(128, 128, fused=False) == (128, 64, 4)
+    assert kd.decode_config(128, 128) == (128, 32, 4) and kd.decode_config(128, 128, fused=False) == (128, 64, 4)
     assert kd.decode_config(16, 16) == (16, 16, 1)
     B, H, K, W = 1, 1, 16, 4
     w = torch.randn(H * K, 1, W)
@@ -312,7 +312,7 @@ def test_launch_config_and_errors():
     with pytest.raises(ValueError, match="max_registers=300"):
         kd.kda_decode_step_triton(*args(S), scale=0.25, max_registers=300)
     with pytest.raises(ValueError, match="state_ahead needs"):
-        kd.kda_decode_step_triton(*args(S), scale=0.25, state_ahead=True)
+        kd.kda_decode_step_triton(*args(S), scale=0.25, state_ahead=True, v_first=False)
     with pytest.raises(ValueError, match="max_registers=8"):
         kd.kda_step_inplace_triton(x.view(B, H, K), x.view(B, H, K), x.view(B, H, K), torch.zeros(B, H, K),
                                    torch.zeros(B, H), S, scale=0.25, max_registers=8)
@@ -327,9 +327,9 @@ def test_launch_config_and_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(max_registers=128),
-                                    dict(v_first=True, block_v=32, num_warps=4),
+                                    dict(v_first=False, block_v=32, num_warps=2),
                                     dict(v_first=True, state_ahead=True, block_v=16, num_warps=2)],
-                         ids=["default", "stream", "register-cap", "v-first", "state-ahead"])
+                         ids=["default", "stream", "register-cap", "conv-in-loop", "state-ahead"])
 def test_gpu_k3_decode_matches_reference(launch):
     """B=64, H=96, K=V=128, bf16 activations, fp32 state, three steps (rows restarting at each, and mid-document),
     against the float64 reference on the GPU. At this size near-tie roundings are not redrawn (~1e-4 of the rounded
@@ -380,11 +380,12 @@ def test_gpu_k3_decode_matches_reference(launch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", [dict(v_first=True), dict(v_first=True, state_ahead=True)],
                          ids=["v-first", "state-ahead"])
-def test_gpu_v_first_launches_equal_the_default(launch):
-    """The fused step with v's conv before the loop (o holding v until each block overwrites it), and with the
-    state loaded a block ahead, against the default launch at the same blocks and warps, at K3's size: the same
-    arithmetic, so o and the state agree to 1e-6 and the tails exactly, over five steps (rows restarting among them).
-    A thread reading v back after another overwrote it with o, or a block of S after its store, would show here."""
+def test_gpu_v_first_launches_equal_the_conv_in_the_loop(launch):
+    """The fused step with v's conv before the loop (the default: o holding v until each block overwrites it),
+    and with the state loaded a block ahead, against v's conv in the loop at the same blocks and warps, at K3's
+    size: the same arithmetic, so o and the state agree to 1e-6 and the tails exactly, over five steps (rows
+    restarting among them). A thread reading v back after another overwrote it with o, or a block of S after its
+    store, would show here."""
     B, H, K, V, W = 64, 96, 128, 128, 4
     dt, dev, scale = torch.bfloat16, "cuda", K ** -0.5
     weights = [w.to(dev) for w in _conv_weights(H, K, V, W)]
@@ -397,7 +398,8 @@ def test_gpu_v_first_launches_equal_the_default(launch):
         conv_reset = _conv_reset(P0 + step, W, starts).to(dev)
         xs = [torch.randn(B, H * D, device=dev).to(dt) for D in (K, K, V)]
         g, beta = -5 * torch.rand(B, H, K, device=dev), torch.rand(B, H, device=dev)
-        o = kd.kda_decode_step_triton(*xs, *weights, *tails, conv_reset, g, beta, state, scale=scale)
+        o = kd.kda_decode_step_triton(*xs, *weights, *tails, conv_reset, g, beta, state, scale=scale, v_first=False,
+                                      block_v=BV, num_warps=warps)
         o2 = kd.kda_decode_step_triton(*xs, *weights, *tails2, conv_reset, g, beta, state2, scale=scale,
                                        block_v=BV, num_warps=warps, **launch)
         assert all(torch.equal(a, b) for a, b in zip(tails, tails2)), step

@@ -10,8 +10,9 @@ document start lies in (j, W−1] of `conv_reset`:
     S  = S' + k (β (v − S'ᵀ k))ᵀ,    o = Sᵀ (scale · q)
 
 **Kernel.** One program per (b, h) walks the V columns in blocks of BV (`decode_config`): the q/k conv and norm
-are computed once, then each [K, BV] block of S is loaded, updated in registers and stored back, so the state is read
-once and written once (the columns of S never mix). Splitting V over programs instead would let one program shift a
+and v's conv (kept in o until each block's output overwrites it) are computed once, then each [K, BV] block of S is
+loaded with its v, updated in registers and stored back, so the state is read once and written once (the columns
+of S never mix). Splitting V over programs instead would let one program shift a
 q/k tail that another has yet to read (sharing the shift by ticket measured slower: every program redoes the q/k
 conv and norm, docs/performance.md#kda); inside a program a barrier orders every read of a tail or a block of S
 before its overwrite. `kda_step_inplace_triton` (no convs, q and k already normalized) has no tails and splits V
@@ -153,17 +154,17 @@ if triton is not None:
 
 def decode_config(K: int, V: int, fused: bool = True) -> tuple[int, int, int]:
     """(BK, BV, num_warps) of the decode kernels for head dims K, V: all K rows and BV columns of the
-    state in registers, 64 state elements a thread. The fused kernel (one program per row and head, walking its
-    column blocks) takes 32 columns, the in-place step (column blocks over the grid) 64. Tuned at B = 64, H = 96,
-    K = V = 128 on the H200 (`tests/bench/kda.py --decode-sweep`, docs/performance.md#kda, the round 1 sweep):
-    fused [128, 32] blocks on 2 warps 396 µs against 456-502 µs for [128, 64] on 8 warps capped at 128 registers;
-    the plain step [128, 64] on 4 warps 335 µs against 369-389."""
+    state in registers. The fused kernel (one program per row and head, walking its column blocks, v's conv first)
+    takes 32 columns on 32 state elements a thread, the in-place step (column blocks over the grid) 64 columns on
+    64. Tuned at B = 64, H = 96, K = V = 128 (`tests/bench/kda.py --decode-sweep`, docs/performance.md#kda): the
+    fused step [128, 32] on 4 warps with `v_first` 321 µs against 335 for the conv in its loop on 2 warps (KDA round
+    15, an H100); the plain step [128, 64] on 4 warps 335 µs against 369-389 (round 1, the H200)."""
     if K > 256:
         raise ValueError(f"kda decode: the key dim K={K} must be at most 256 (a [K, BV] state block stays in "
                          "registers)")
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(32 if fused else 64, triton.next_power_of_2(V)))
-    return BK, BV, max(1, min(8, BK * BV // 2048))
+    return BK, BV, max(1, min(8, BK * BV // (1024 if fused else 2048)))
 
 
 STREAM = False
@@ -198,7 +199,7 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
                            v_weight: Tensor, q_tail: Tensor, k_tail: Tensor, v_tail: Tensor, conv_reset: Tensor,
                            g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
                            block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None,
-                           stages: int = 1, max_registers: int | None = None, v_first: bool = False,
+                           stages: int = 1, max_registers: int | None = None, v_first: bool = True,
                            state_ahead: bool = False) -> Tensor:
     """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
 
@@ -215,8 +216,8 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         scale: the query scale (K^-1/2); eps: `l2norm`'s (inside the sqrt).
         block_v, num_warps: override `decode_config`; stream: cache hints (`STREAM`); stages: the column-block
             loop's software-pipelining depth; max_registers: ptxas's register cap a thread (more programs an SM,
-            more of the state in flight, at the price of spills); v_first: v's conv for all columns before the
-            state's loop (o holds it until overwritten) instead of a block's before each block; state_ahead (with
+            more of the state in flight, at the price of spills); v_first (the default): v's conv for all columns
+            before the state's loop (o holds it until overwritten), not a block's before each block; state_ahead (with
             v_first): S loaded a block ahead (the first block before the convs); all six for benchmarks.
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.

@@ -239,9 +239,9 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
     rows["ours kda_decode_step_triton, streaming cache hints"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale, stream=True))
-    rows["ours kda_decode_step_triton, v's conv first, [128, 32] on 4 warps"] = (
+    rows["ours kda_decode_step_triton, v's conv in the loop (the default before), [128, 32] on 2 warps"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
-                                                         scale=scale, v_first=True, block_v=32, num_warps=4))
+                                                         scale=scale, v_first=False, block_v=32, num_warps=2))
     rows["ours kda_decode_step_triton, v's conv first, the state a block ahead, [128, 16] on 2 warps"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale, v_first=True, state_ahead=True, block_v=16,
