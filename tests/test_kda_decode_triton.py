@@ -138,14 +138,19 @@ THREE_BLOCKS = "K=24, V=40 in blocks of 16, W=3"
     (THREE_BLOCKS, torch.bfloat16, dict(max_registers=64)), (THREE_BLOCKS, torch.bfloat16, dict(v_first=False)),
     (THREE_BLOCKS, torch.bfloat16, dict(v_first=True, state_ahead=True)),
     (THREE_BLOCKS, torch.float32, dict(v_first=True, state_ahead=True)),
-    ("K=V=16", torch.bfloat16, dict(v_first=True, state_ahead=True))],
+    ("K=V=16", torch.bfloat16, dict(v_first=True, state_ahead=True)),
+    (THREE_BLOCKS, torch.bfloat16, dict(hoist=False)), (THREE_BLOCKS, torch.float32, dict(hoist=False)),
+    (THREE_BLOCKS, torch.bfloat16, dict(hoist=False, state_ahead=True)),
+    (THREE_BLOCKS, torch.bfloat16, dict(one_reduce=False)), (THREE_BLOCKS, torch.float32, dict(one_reduce=False))],
     ids=["stream", "stream-2-stages", "register-cap", "conv-in-loop", "state-ahead", "state-ahead-fp32",
-         "state-ahead-one-block"])
+         "state-ahead-one-block", "convs-in-turn", "convs-in-turn-fp32", "convs-in-turn-state-ahead",
+         "two-reductions", "two-reductions-fp32"])
 def test_decode_steps_with_benchmark_launch_options(shape, dtype, launch):
     """The benchmarks' launch options (streaming cache hints, the column-block loop software-pipelined, a register
-    cap, v's conv in the loop (before the default), the state loaded a block ahead) compute the same: three column
-    blocks a program (the last one partial), whose loads may run ahead of the previous block's in-place stores; and
-    one block a program."""
+    cap, v's conv in the loop (before the default), the state loaded a block ahead, the three convs' loads, barriers
+    and shifts in turn (`hoist=False`, before the default), o as Sᵀq after the update (`one_reduce=False`, before the
+    default)) compute the same: three column blocks a program (the last one partial), whose loads may run ahead of
+    the previous block's in-place stores; and one block a program."""
     _decode_steps(shape, dtype, **launch)
 
 
@@ -214,8 +219,9 @@ def test_decode_updates_state_and_tails_in_place_only():
     assert rel_err(state.cpu(), S_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("launch", [{}, dict(v_first=False), dict(v_first=True, state_ahead=True, block_v=8)],
-                         ids=["default", "conv-in-loop", "state-ahead"])
+@pytest.mark.parametrize("launch", [{}, dict(v_first=False), dict(v_first=True, state_ahead=True, block_v=8),
+                                    dict(hoist=False, state_ahead=True, block_v=8)],
+                         ids=["default", "conv-in-loop", "state-ahead", "convs-in-turn-state-ahead"])
 def test_restart_reads_neither_old_state_nor_dead_taps(launch):
     """A row whose new token starts its document computes from a zero state and zero taps without reading them:
     NaN there (e.g. garbage left by padding) does not reach o, the state or the other row (also where the state is
@@ -263,10 +269,12 @@ def test_small_activations_norm_with_eps_inside_the_sqrt():
 
 # ---------------------------------------------------------------------------------------------- step without convs
 
+@pytest.mark.parametrize("one_reduce", [True, False], ids=["one-reduction", "two-reductions"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_inplace_matches_kda_step(dtype):
+def test_step_inplace_matches_kda_step(dtype, one_reduce):
     """`kda_step_inplace_triton` (V split over the grid: 40 columns in blocks of 16) against float64 `kda_step` on
-    `state * keep`, two steps, one row restarting at the second."""
+    `state * keep`, two steps, one row restarting at the second; o from the decayed state (the default) and from
+    the updated one."""
     B, H, K, V = 2, 3, 32, 40
     scale = K ** -0.5
     state = torch.randn(B, H, K, V)
@@ -279,7 +287,7 @@ def test_step_inplace_matches_kda_step(dtype):
         o_ref, S64 = kda_step(q.double(), k.double(), v.double(), g.double(), beta.double(), S64 * keep,
                               scale=scale)
         o = kd.kda_step_inplace_triton(*_dev(q, k, v, g, beta), state, None if reset is None else reset.to(DEVICE),
-                                       scale=scale, block_v=16)
+                                       scale=scale, block_v=16, one_reduce=one_reduce)
         assert o.dtype == dtype and rel_err(state.cpu(), S64) < FP32_TOL
         if dtype == torch.float32:
             assert rel_err(o.cpu(), o_ref) < FP32_TOL
@@ -328,8 +336,10 @@ def test_launch_config_and_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(max_registers=128),
                                     dict(v_first=False, block_v=32, num_warps=2),
-                                    dict(v_first=True, state_ahead=True, block_v=16, num_warps=2)],
-                         ids=["default", "stream", "register-cap", "conv-in-loop", "state-ahead"])
+                                    dict(v_first=True, state_ahead=True, block_v=16, num_warps=2),
+                                    dict(hoist=False), dict(one_reduce=False)],
+                         ids=["default", "stream", "register-cap", "conv-in-loop", "state-ahead", "convs-in-turn",
+                              "two-reductions"])
 def test_gpu_k3_decode_matches_reference(launch):
     """B=64, H=96, K=V=128, bf16 activations, fp32 state, three steps (rows restarting at each, and mid-document),
     against the float64 reference on the GPU. At this size near-tie roundings are not redrawn (~1e-4 of the rounded
@@ -378,11 +388,12 @@ def test_gpu_k3_decode_matches_reference(launch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", [dict(v_first=True), dict(v_first=True, state_ahead=True)],
-                         ids=["v-first", "state-ahead"])
+@pytest.mark.parametrize("launch", [dict(v_first=True), dict(v_first=True, state_ahead=True),
+                                    dict(v_first=True, hoist=False)],
+                         ids=["v-first", "state-ahead", "convs-in-turn"])
 def test_gpu_v_first_launches_equal_the_conv_in_the_loop(launch):
-    """The fused step with v's conv before the loop (the default: o holding v until each block overwrites it),
-    and with the state loaded a block ahead, against v's conv in the loop at the same blocks and warps, at K3's
+    """The fused step with v's conv before the loop (the default: o holding v until each block overwrites it; its
+    loads issued together, or the three convs in turn), and with the state loaded a block ahead, against v's conv in the loop at the same blocks and warps, at K3's
     size: the same arithmetic, so o and the state agree to 1e-6 and the tails exactly, over five steps (rows
     restarting among them). A thread reading v back after another overwrote it with o, or a block of S after its
     store, would show here."""

@@ -12,7 +12,9 @@ document start lies in (j, W−1] of `conv_reset`:
 **Kernel.** One program per (b, h) walks the V columns in blocks of BV (`decode_config`): the q/k conv and norm
 and v's conv (kept in o until each block's output overwrites it) are computed once, then each [K, BV] block of S is
 loaded with its v, updated in registers and stored back, so the state is read once and written once (the columns
-of S never mix). Splitting V over programs instead would let one program shift a
+of S never mix). Both products over K come from S', o as S'ᵀ(scale·q) + (scale·q·k) u, so they are one reduction
+of two operands (one exchange between warps a block, where Sᵀq after the update would be a second, chained after
+the first through u). Splitting V over programs instead would let one program shift a
 q/k tail that another has yet to read (sharing the shift by ticket measured slower: every program redoes the q/k
 conv and norm, docs/performance.md#kda); inside a program a barrier orders every read of a tail or a block of S
 before its overwrite. `kda_step_inplace_triton` (no convs, q and k already normalized) has no tails and splits V
@@ -36,34 +38,62 @@ if triton is not None:
     from .kda_triton import _to16
 
     @triton.jit
+    def _conv_alive(reset_ptr, b, W: tl.constexpr, BW: tl.constexpr):
+        """[BW] bool: tap j of row b's window is read (no document start after it in reset [B, W])."""
+        j = tl.arange(0, BW)
+        later = tl.load(reset_ptr + b * W + j[None, :], mask=(j[None, :] > j[:, None]) & (j[None, :] < W), other=0)
+        return tl.sum(later.to(tl.int32), 1) == 0
+
+    @triton.jit
+    def _conv_load(x_ptr, tail_ptr, w_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr):
+        """Row b's conv operands over channels ch [BC] (mask m): the tail [BW, BC] (rows = window positions
+        0..W−2 of tail [B, W−1, C]), the new input x [BC] (of [B, C]), the weights [BW, BC] and the last tap's [BC]
+        in fp32 (of [C, 1, W])."""
+        j = tl.arange(0, BW)
+        m2 = (j < W - 1)[:, None] & m[None, :]
+        t = tl.load(tail_ptr + (b * (W - 1) + j[:, None]) * C + ch[None, :], mask=m2, other=0.0)
+        x = tl.load(x_ptr + b * C + ch, mask=m, other=0.0)
+        w = tl.load(w_ptr + ch[None, :] * W + j[:, None], mask=m2, other=0.0).to(tl.float32)
+        w_last = tl.load(w_ptr + ch * W + (W - 1), mask=m, other=0.0).to(tl.float32)
+        return t, x, w, w_last
+
+    @triton.jit
+    def _conv_apply(t, x, w, w_last, alive, DT: tl.constexpr, EMULATE: tl.constexpr):
+        """silu(Σ_j w_j x_j · alive_j) of `_conv_load`'s operands, fp32 rounded to DT."""
+        y = tl.sum(tl.where(alive[:, None], t.to(tl.float32) * w, 0.0), 0) + w_last * x.to(tl.float32)
+        y = y * tl.sigmoid(y)
+        return _to16(y, DT, EMULATE).to(tl.float32)
+
+    @triton.jit
+    def _conv_shift(tail_ptr, t, x, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr):
+        """The tail shifted by one in place, x last (t, x: `_conv_load`'s, after a barrier: every thread holding a
+        tail element must have read it before any thread overwrites it, and a layout may replicate elements across
+        warps)."""
+        j = tl.arange(0, BW)
+        m2 = ((j >= 1) & (j < W - 1))[:, None] & m[None, :]
+        tl.store(tail_ptr + (b * (W - 1) + j[:, None] - 1) * C + ch[None, :], t, mask=m2)
+        tl.store(tail_ptr + (b * (W - 1) + W - 2) * C + ch, x, mask=m)
+
+    @triton.jit
     def _conv_token(x_ptr, tail_ptr, w_ptr, reset_ptr, b, ch, m, C, W: tl.constexpr, BW: tl.constexpr,
                     DT: tl.constexpr, EMULATE: tl.constexpr):
         """silu(causal conv) of row b's new token over channels ch [BC] (mask m), as fp32 rounded to DT; shifts the
         tail [B, W−1, C] by one in place (the new raw input last). x [B, C], weights [C, 1, W], reset [B, W]."""
-        j = tl.arange(0, BW)                                   # tail rows = window positions 0..W-2
-        rows = j < W - 1
-        later = tl.load(reset_ptr + b * W + j[None, :], mask=(j[None, :] > j[:, None]) & (j[None, :] < W), other=0)
-        alive = tl.sum(later.to(tl.int32), 1) == 0             # no document start after tap j
-        m2 = rows[:, None] & m[None, :]
-        tail_rows = tail_ptr + (b * (W - 1) + j[:, None]) * C + ch[None, :]
-        t = tl.load(tail_rows, mask=m2, other=0.0)
-        x = tl.load(x_ptr + b * C + ch, mask=m, other=0.0)
-        w = tl.load(w_ptr + ch[None, :] * W + j[:, None], mask=m2, other=0.0).to(tl.float32)
-        w_last = tl.load(w_ptr + ch * W + (W - 1), mask=m, other=0.0).to(tl.float32)
-        y = tl.sum(tl.where(alive[:, None], t.to(tl.float32) * w, 0.0), 0) + w_last * x.to(tl.float32)
-        y = y * tl.sigmoid(y)
-        # Every thread holding a tail element must have read it before any thread overwrites it (a layout may
-        # replicate elements across warps).
+        t, x, w, w_last = _conv_load(x_ptr, tail_ptr, w_ptr, b, ch, m, C, W, BW)
+        y = _conv_apply(t, x, w, w_last, _conv_alive(reset_ptr, b, W, BW), DT, EMULATE)
         tl.debug_barrier()
-        tl.store(tail_rows - C, t, mask=m2 & (j[:, None] >= 1))
-        tl.store(tail_ptr + (b * (W - 1) + W - 2) * C + ch, x, mask=m)
-        return _to16(y, DT, EMULATE).to(tl.float32)
+        _conv_shift(tail_ptr, t, x, b, ch, m, C, W, BW)
+        return y
 
     @triton.jit
     def _l2norm(x, eps, DT: tl.constexpr, EMULATE: tl.constexpr):
         """x / sqrt(Σ x² + eps) in fp32, rounded to DT as `kda.l2norm` returns it."""
         y = x * tl.rsqrt(tl.sum(x * x, 0) + eps)
         return _to16(y, DT, EMULATE).to(tl.float32)
+
+    @triton.jit
+    def _add_pair(a0, a1, b0, b1):
+        return a0 + b0, a1 + b1
 
     @triton.jit
     def _load_state(s_row, keep, mk, vv, V, STREAM: tl.constexpr):
@@ -81,7 +111,8 @@ if triton is not None:
                        W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
                        CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                        STREAM: tl.constexpr, STAGES: tl.constexpr, V_FIRST: tl.constexpr = False,
-                       BVA: tl.constexpr = 16, AHEAD: tl.constexpr = False):
+                       BVA: tl.constexpr = 16, AHEAD: tl.constexpr = False, ONE_REDUCE: tl.constexpr = True,
+                       HOIST: tl.constexpr = True):
         # program (b·H + h, column split s): columns [s·NB·BV, (s+1)·NB·BV) of S in NB blocks of BV. With CONV
         # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
         # [B, H, K] are normalized, v [B, H, V], reset [B] (HAS_RESET). g [B, H, K], beta [B, H], state
@@ -90,14 +121,39 @@ if triton is not None:
         # before the loop, stored in o (the activation dtype it is rounded to), which the loop reads back a block
         # at a time before overwriting it: the loop then loads a block of S and of v, updates and stores them with
         # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead,
-        # the first block before the convs, block i + 1 while block i is updated (two blocks live).
+        # the first block before the convs, block i + 1 while block i is updated (two blocks live). ONE_REDUCE
+        # (`one_reduce`): o = Sᵀq from the decayed S' as S'ᵀq + (q·k) u, so kᵀS' and qᵀS' are one two-operand
+        # reduction over K a block (one exchange between warps, not two in a chain: u between them). HOIST
+        # (`hoist`, with V_FIRST): every load before the loop (g, beta, the three convs' tails, inputs and weights)
+        # is issued first, then the convs and norms, one barrier, the three tail shifts: one round trip to memory
+        # where the convs in turn wait for theirs in a chain.
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
         kk = tl.arange(0, BK)
         mk = kk < K
         s_row = state_ptr + bh * K * V + kk[:, None] * V
-        if CONV:
+        if CONV and V_FIRST and HOIST:
+            g = tl.load(g_ptr + bh * K + kk, mask=mk, other=0.0)
+            beta = tl.load(beta_ptr + bh).to(tl.float32)
+            keep = tl.load(reset_ptr + b * W + (W - 1)) == 0
+            alive = _conv_alive(reset_ptr, b, W, BW)
+            va = tl.arange(0, BVA)
+            cq = _conv_load(q_ptr, tq_ptr, wq_ptr, b, h * K + kk, mk, H * K, W, BW)
+            ck = _conv_load(k_ptr, tk_ptr, wk_ptr, b, h * K + kk, mk, H * K, W, BW)
+            cv = _conv_load(v_ptr, tv_ptr, wv_ptr, b, h * V + va, va < V, H * V, W, BW)
+            if AHEAD:
+                S_next = _load_state(s_row, keep, mk, tl.program_id(1) * NB * BV + tl.arange(0, BV), V, STREAM)
+            q = _l2norm(_conv_apply(cq[0], cq[1], cq[2], cq[3], alive, DT, EMULATE), eps, DT, EMULATE)
+            k = _l2norm(_conv_apply(ck[0], ck[1], ck[2], ck[3], alive, DT, EMULATE), eps, DT, EMULATE)
+            v_all = _conv_apply(cv[0], cv[1], cv[2], cv[3], alive, DT, EMULATE)
+            tl.store(o_ptr + bh * V + va, v_all.to(o_ptr.dtype.element_ty), mask=va < V)
+            tl.debug_barrier()   # every tail read before its shift, every thread's v stored before it is read back
+            _conv_shift(tq_ptr, cq[0], cq[1], b, h * K + kk, mk, H * K, W, BW)
+            _conv_shift(tk_ptr, ck[0], ck[1], b, h * K + kk, mk, H * K, W, BW)
+            _conv_shift(tv_ptr, cv[0], cv[1], b, h * V + va, va < V, H * V, W, BW)
+            decay = tl.exp(g.to(tl.float32))
+        elif CONV:
             keep = tl.load(reset_ptr + b * W + (W - 1)) == 0
             if AHEAD:
                 S_next = _load_state(s_row, keep, mk, tl.program_id(1) * NB * BV + tl.arange(0, BV), V, STREAM)
@@ -118,9 +174,12 @@ if triton is not None:
                 keep = True
             q = tl.load(q_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32))
-        beta = tl.load(beta_ptr + bh).to(tl.float32)
+        if not (CONV and V_FIRST and HOIST):
+            decay = tl.exp(tl.load(g_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32))
+            beta = tl.load(beta_ptr + bh).to(tl.float32)
         qs = scale * q
+        if ONE_REDUCE:
+            qk = tl.sum(qs * k, 0)
         for i in tl.range(NB, num_stages=STAGES):
             vv = (tl.program_id(1) * NB + i) * BV + tl.arange(0, BV)
             mv = vv < V
@@ -140,9 +199,15 @@ if triton is not None:
                 v = tl.load(v_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
                 S = _load_state(s_row, keep, mk, vv, V, STREAM)
             S = decay[:, None] * S
-            u = beta * (v - tl.sum(S * k[:, None], 0))
-            S = S + k[:, None] * u[None, :]
-            o = tl.sum(S * qs[:, None], 0)
+            if ONE_REDUCE:
+                kS, qS = tl.reduce((S * k[:, None], S * qs[:, None]), 0, _add_pair)
+                u = beta * (v - kS)
+                S = S + k[:, None] * u[None, :]
+                o = qS + qk * u
+            else:
+                u = beta * (v - tl.sum(S * k[:, None], 0))
+                S = S + k[:, None] * u[None, :]
+                o = tl.sum(S * qs[:, None], 0)
             tl.debug_barrier()   # as in _conv_token: all reads of this block of S (and of v in o) before the first
             #                      write
             if STREAM:
@@ -172,7 +237,7 @@ STREAM = False
 
 
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
-            stream=None, stages=1, max_registers=None, v_first=False, state_ahead=False):
+            stream=None, stages=1, max_registers=None, v_first=False, state_ahead=False, one_reduce=True, hoist=True):
     B, H, K, V = state.shape
     BK, BV, warps = decode_config(K, V, fused=conv)
     if block_v is not None or num_warps is not None:   # a benchmark's choice
@@ -192,7 +257,7 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
             STAGES=stages, V_FIRST=v_first and conv, BVA=max(16, triton.next_power_of_2(V)), AHEAD=state_ahead,
-            num_warps=warps, **cap)
+            ONE_REDUCE=one_reduce, HOIST=hoist, num_warps=warps, **cap)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
@@ -200,7 +265,7 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
                            g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
                            block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None,
                            stages: int = 1, max_registers: int | None = None, v_first: bool = True,
-                           state_ahead: bool = False) -> Tensor:
+                           state_ahead: bool = False, one_reduce: bool = True, hoist: bool = True) -> Tensor:
     """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
 
     Args:
@@ -218,7 +283,11 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
             loop's software-pipelining depth; max_registers: ptxas's register cap a thread (more programs an SM,
             more of the state in flight, at the price of spills); v_first (the default): v's conv for all columns
             before the state's loop (o holds it until overwritten), not a block's before each block; state_ahead (with
-            v_first): S loaded a block ahead (the first block before the convs); all six for benchmarks.
+            v_first): S loaded a block ahead (the first block before the convs); one_reduce (the default): o as
+            S'ᵀq + (q·k) u from the decayed state S', with kᵀS' in the same reduction over K (the two products of
+            the algebra above, equal up to fp32 rounding), not Sᵀq after the update; hoist (the default, with
+            v_first): the loads of the convs, g and beta issued together before any conv, one barrier before the
+            tails' shifts, not each conv's loads, barrier and shift in turn; all eight for benchmarks.
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """
@@ -246,18 +315,18 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
     _launch(q_raw, k_raw, v_raw, (q_weight, k_weight, v_weight), (q_tail, k_tail, v_tail),
             conv_reset.contiguous().view(torch.uint8), g, beta, state, o, scale=scale, eps=eps, W=W, conv=True,
             block_v=block_v, num_warps=num_warps, stream=stream, stages=stages, max_registers=max_registers,
-            v_first=v_first, state_ahead=state_ahead)
+            v_first=v_first, state_ahead=state_ahead, one_reduce=one_reduce, hoist=hoist)
     return o
 
 
 def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
                             reset: Tensor | None = None, *, scale: float, block_v: int | None = None,
                             num_warps: int | None = None, stream: bool | None = None,
-                            max_registers: int | None = None) -> Tensor:
+                            max_registers: int | None = None, one_reduce: bool = True) -> Tensor:
     """`delta_rule.kda_step` with the state updated in place: q, k [B, H, K] already normalized, v [B, H, V], g
     [B, H, K], beta [B, H], state [B, H, K, V] float32 contiguous, reset [B] bool or None (True: the row's state
     restarts from 0 first, as `state * keep`). Programs over (b·H + h, block of BV state columns). Returns o
-    [B, H, V] in v.dtype. block_v, num_warps, stream, max_registers: as `kda_decode_step_triton`'s."""
+    [B, H, V] in v.dtype. block_v, num_warps, stream, max_registers, one_reduce: as `kda_decode_step_triton`'s."""
     B, H, K, V = state.shape
     shapes = dict(q=(q, (B, H, K)), k=(k, (B, H, K)), v=(v, (B, H, V)), g=(g, (B, H, K)), beta=(beta, (B, H)))
     if reset is not None:
@@ -271,7 +340,7 @@ def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     if reset is not None:
         reset = reset.contiguous().view(torch.uint8)
     _launch(q, k, v, (None,) * 3, (None,) * 3, reset, g, beta, state, o, scale=scale, eps=0.0, W=1, conv=False,
-            block_v=block_v, num_warps=num_warps, stream=stream, max_registers=max_registers)
+            block_v=block_v, num_warps=num_warps, stream=stream, max_registers=max_registers, one_reduce=one_reduce)
     return o
 
 

@@ -1,6 +1,6 @@
 """Compile the project's Triton kernels for SM90 without a GPU and report what the H200 would run: registers,
 spilled bytes, shared memory, wgmma (HGMMA) instructions and the waits on them (one a wgmma where ptxas
-serialized them), mma.sync (HMMA) instructions, cp.async copies and layout conversions. Launch arguments are
+serialized them), mma.sync (HMMA) instructions, cp.async copies and layout conversions, barriers (BAR.SYNC) and SASS instructions. Launch arguments are
 specialized as Triton's launcher does (16-byte-aligned pointers and ints divisible by 16 marked so, ints equal to
 1 made constants): without that every gather compiles to 2-byte loads and the spills come out several times too
 large.
@@ -76,7 +76,9 @@ def report(fn, ptrs: dict, scalars: dict, consts: dict, **opts) -> dict:
     return dict(regs=int(re.search(r"REG:(\d+)", usage).group(1)), spill_bytes=int(re.search(r"STACK:(\d+)",
                 usage).group(1)), smem=c.metadata.shared, HGMMA=sass.count("HGMMA"),
                 wgmma_waits=sass.count("WARPGROUP.DEPBAR"), HMMA=sass.count("HMMA"),
-                cp_async=sass.count("LDGSTS"), converts=c.asm["ttgir"].count("ttg.convert_layout"))
+                cp_async=sass.count("LDGSTS"), converts=c.asm["ttgir"].count("ttg.convert_layout"),
+                barriers=len(re.findall(r"\bBAR\.SYNC", sass)),
+                instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)))
 
 
 BF, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
@@ -458,22 +460,26 @@ def kda_decode():
     """The decode step at K = V = 128, bf16 activations, as `kda_decode_triton._launch` runs it: the fused step (the
     three short convs of width 4, norms, the step; one program a row and head walking its column blocks), the same
     with v's conv before the loop (`v_first`; also loading the state a block ahead: `state_ahead`) at launches the
-    decode sweep times, and the in-place step (column blocks over the grid)."""
+    decode sweep times, and the in-place step (column blocks over the grid); the default launches also with the
+    two reductions over K chained (`one_reduce=False`)."""
     B, HD, KD, W = 64, 96, 128, 4
     # the in-place step's conv weights and tails are None at launch and unused (CONV off): typed alike here
     ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, wq_ptr=BF, wk_ptr=BF, wv_ptr=BF, tq_ptr=BF, tk_ptr=BF, tv_ptr=BF,
                 reset_ptr="*u8", g_ptr=F32, beta_ptr=F32, state_ptr=F32, o_ptr=BF)
-    # (BK, BV, warps, v_first, state_ahead); v_first None: the in-place step
-    fused = [(*kd.decode_config(KD, KD, fused=True), False, False)] + [
-        (128, bv, w, True, ahead) for bv, w, ahead in ((16, 2, False), (32, 2, False), (32, 4, False), (64, 8, False),
-                                                       (128, 8, False), (16, 2, True), (32, 4, True))]
-    for BK, BV, warps, v_first, ahead in fused + [(*kd.decode_config(KD, KD, fused=False), None, False)]:
+    # (BK, BV, warps, v_first, state_ahead, one_reduce); v_first None: the in-place step
+    fused = [(*kd.decode_config(KD, KD, fused=True), False, False, True)] + [
+        (128, bv, w, True, ahead, True) for bv, w, ahead in ((16, 2, False), (32, 2, False), (32, 4, False),
+                                                             (64, 8, False), (128, 8, False), (16, 2, True),
+                                                             (32, 4, True))] + [(128, 32, 4, True, False, False)]
+    plain = [(*kd.decode_config(KD, KD, fused=False), None, False, one) for one in (True, False)]
+    for BK, BV, warps, v_first, ahead, one in fused + plain:
         conv = v_first is not None
         consts = dict(W=W if conv else 1, BW=triton.next_power_of_2(W if conv else 1), BK=BK, BV=BV,
                       NB=KD // BV if conv else 1, CONV=conv, HAS_RESET=conv, DT=triton.language.bfloat16,
-                      EMULATE=False, STREAM=False, STAGES=1, V_FIRST=bool(v_first), BVA=KD, AHEAD=ahead)
+                      EMULATE=False, STREAM=False, STAGES=1, V_FIRST=bool(v_first), BVA=KD, AHEAD=ahead,
+                      ONE_REDUCE=one)
         what = ("in-place step" if not conv else "fused step" + (", v's conv first" if v_first else "")
-                + (", the state a block ahead" if ahead else ""))
+                + (", the state a block ahead" if ahead else "")) + ("" if one else ", two chained reductions")
         yield (f"kda decode {what}, B = {B}, H = {HD}, [{BK}, {BV}] blocks, {warps} warps"), report(
             kd._decode_kernel, ptrs, dict(H=HD, K=KD, V=KD, scale=0.1, eps=1e-6), consts, num_warps=warps)
 
@@ -501,11 +507,12 @@ def main():
     if unknown:
         ap.error(f"unknown kernels {sorted(unknown)}: choose from {list(KERNELS)}")
     print(f"triton {triton.__version__}, sm_90, T = {T:,}\n| launch | regs | spill B | smem | HGMMA | wgmma waits | "
-          "HMMA | cp.async | converts |\n|---|---|---|---|---|---|---|---|---|")
+          "HMMA | cp.async | converts | barriers | SASS |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for name in a.kernels or KERNELS:
         for what, r in KERNELS[name]():
             print(f"| {what} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | {r['HGMMA']} | {r['wgmma_waits']} | "
-                  f"{r['HMMA']} | {r['cp_async']} | {r['converts']} |", flush=True)
+                  f"{r['HMMA']} | {r['cp_async']} | {r['converts']} | {r['barriers']} | {r['instructions']} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
