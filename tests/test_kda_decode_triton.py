@@ -269,12 +269,14 @@ def test_small_activations_norm_with_eps_inside_the_sqrt():
 
 # ---------------------------------------------------------------------------------------------- step without convs
 
-@pytest.mark.parametrize("one_reduce", [True, False], ids=["one-reduction", "two-reductions"])
+@pytest.mark.parametrize("launch", [{}, dict(one_reduce=False), dict(state_ahead=True)],
+                         ids=["default", "two-reductions", "state-ahead"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_inplace_matches_kda_step(dtype, one_reduce):
+def test_step_inplace_matches_kda_step(dtype, launch):
     """`kda_step_inplace_triton` (V split over the grid: 40 columns in blocks of 16) against float64 `kda_step` on
     `state * keep`, two steps, one row restarting at the second; o from the decayed state (the default) and from
-    the updated one."""
+    the updated one; the state's block loaded before q and k (its prefetch past the program's block masked: a
+    program reading or writing its neighbour's columns would show in the state)."""
     B, H, K, V = 2, 3, 32, 40
     scale = K ** -0.5
     state = torch.randn(B, H, K, V)
@@ -287,7 +289,7 @@ def test_step_inplace_matches_kda_step(dtype, one_reduce):
         o_ref, S64 = kda_step(q.double(), k.double(), v.double(), g.double(), beta.double(), S64 * keep,
                               scale=scale)
         o = kd.kda_step_inplace_triton(*_dev(q, k, v, g, beta), state, None if reset is None else reset.to(DEVICE),
-                                       scale=scale, block_v=16, one_reduce=one_reduce)
+                                       scale=scale, block_v=16, **launch)
         assert o.dtype == dtype and rel_err(state.cpu(), S64) < FP32_TOL
         if dtype == torch.float32:
             assert rel_err(o.cpu(), o_ref) < FP32_TOL

@@ -120,8 +120,9 @@ if triton is not None:
         # V_FIRST (`v_first`, CONV only): v's conv over all V columns (BVA: V's power of two) beside q's and k's
         # before the loop, stored in o (the activation dtype it is rounded to), which the loop reads back a block
         # at a time before overwriting it: the loop then loads a block of S and of v, updates and stores them with
-        # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead,
-        # the first block before the convs, block i + 1 while block i is updated (two blocks live). ONE_REDUCE
+        # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST or without CONV): S loaded
+        # one block ahead, the first block before the convs (or q and k), block i + 1 while block i is updated (two
+        # blocks live). ONE_REDUCE
         # (`one_reduce`): o = Sᵀq from the decayed S' as S'ᵀq + (q·k) u, so kᵀS' and qᵀS' are one two-operand
         # reduction over K a block (one exchange between warps, not two in a chain: u between them). HOIST
         # (`hoist`, with V_FIRST): every load before the loop (g, beta, the three convs' tails, inputs and weights)
@@ -172,6 +173,8 @@ if triton is not None:
                 keep = tl.load(reset_ptr + b) == 0
             else:
                 keep = True
+            if AHEAD:   # the state's first block before q and k (whose layout changes wait on barriers)
+                S_next = _load_state(s_row, keep, mk, tl.program_id(1) * NB * BV + tl.arange(0, BV), V, STREAM)
             q = tl.load(q_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
         if not (CONV and V_FIRST and HOIST):
@@ -187,8 +190,12 @@ if triton is not None:
             s_ptrs = s_row + vv[None, :]
             if AHEAD:
                 S = S_next
-                S_next = _load_state(s_row, keep, mk, vv + BV, V, STREAM)   # past V in the last block: masked
-                v = tl.load(o_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
+                # none after the program's last block (the next program's columns, or past V)
+                S_next = _load_state(s_row, (i + 1 < NB) & keep, mk, vv + BV, V, STREAM)
+                if CONV:
+                    v = tl.load(o_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
+                else:
+                    v = tl.load(v_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
             elif V_FIRST:
                 S = _load_state(s_row, keep, mk, vv, V, STREAM)
                 v = tl.load(o_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
@@ -249,7 +256,7 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
     if max_registers is not None and not 24 <= max_registers <= 255:
         raise ValueError(f"kda decode: max_registers={max_registers} must be None or within [24, 255] (ptxas)")
     cap = {} if max_registers is None else dict(maxnreg=max_registers)
-    if state_ahead and not (conv and v_first):
+    if state_ahead and conv and not v_first:
         raise ValueError("kda decode: state_ahead needs the fused step with v_first=True")
     if B * H:
         _decode_kernel[(B * H, splits)](
@@ -322,11 +329,13 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
 def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
                             reset: Tensor | None = None, *, scale: float, block_v: int | None = None,
                             num_warps: int | None = None, stream: bool | None = None,
-                            max_registers: int | None = None, one_reduce: bool = True) -> Tensor:
+                            max_registers: int | None = None, one_reduce: bool = True,
+                            state_ahead: bool = False) -> Tensor:
     """`delta_rule.kda_step` with the state updated in place: q, k [B, H, K] already normalized, v [B, H, V], g
     [B, H, K], beta [B, H], state [B, H, K, V] float32 contiguous, reset [B] bool or None (True: the row's state
     restarts from 0 first, as `state * keep`). Programs over (b·H + h, block of BV state columns). Returns o
-    [B, H, V] in v.dtype. block_v, num_warps, stream, max_registers, one_reduce: as `kda_decode_step_triton`'s."""
+    [B, H, V] in v.dtype. block_v, num_warps, stream, max_registers, one_reduce: as `kda_decode_step_triton`'s;
+    state_ahead: the program's (first) block of S loaded before q and k."""
     B, H, K, V = state.shape
     shapes = dict(q=(q, (B, H, K)), k=(k, (B, H, K)), v=(v, (B, H, V)), g=(g, (B, H, K)), beta=(beta, (B, H)))
     if reset is not None:
@@ -340,7 +349,8 @@ def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     if reset is not None:
         reset = reset.contiguous().view(torch.uint8)
     _launch(q, k, v, (None,) * 3, (None,) * 3, reset, g, beta, state, o, scale=scale, eps=0.0, W=1, conv=False,
-            block_v=block_v, num_warps=num_warps, stream=stream, max_registers=max_registers, one_reduce=one_reduce)
+            block_v=block_v, num_warps=num_warps, stream=stream, max_registers=max_registers, one_reduce=one_reduce,
+            state_ahead=state_ahead)
     return o
 
 

@@ -233,6 +233,8 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
         lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale))
     rows["ours kda_step_inplace_triton, streaming cache hints"] = (
         lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale, stream=True))
+    rows["ours kda_step_inplace_triton, the state before q and k"] = (
+        lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale, state_ahead=True))
     rows["ours kda_step_inplace_triton, o after the update (two reductions, before)"] = (
         lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale, one_reduce=False))
     rows["ours kda_decode_step_triton (convs + norms + step, in place)"] = (

@@ -471,15 +471,17 @@ def kda_decode():
         (128, bv, w, True, ahead, True) for bv, w, ahead in ((16, 2, False), (32, 2, False), (32, 4, False),
                                                              (64, 8, False), (128, 8, False), (16, 2, True),
                                                              (32, 4, True))] + [(128, 32, 4, True, False, False)]
-    plain = [(*kd.decode_config(KD, KD, fused=False), None, False, one) for one in (True, False)]
+    plain = [(*kd.decode_config(KD, KD, fused=False), None, ahead, one) for ahead, one in ((False, True),
+                                                                                          (True, True),
+                                                                                          (False, False))]
     for BK, BV, warps, v_first, ahead, one in fused + plain:
         conv = v_first is not None
         consts = dict(W=W if conv else 1, BW=triton.next_power_of_2(W if conv else 1), BK=BK, BV=BV,
                       NB=KD // BV if conv else 1, CONV=conv, HAS_RESET=conv, DT=triton.language.bfloat16,
                       EMULATE=False, STREAM=False, STAGES=1, V_FIRST=bool(v_first), BVA=KD, AHEAD=ahead,
                       ONE_REDUCE=one)
-        what = ("in-place step" if not conv else "fused step" + (", v's conv first" if v_first else "")
-                + (", the state a block ahead" if ahead else "")) + ("" if one else ", two chained reductions")
+        what = ("in-place step" if not conv else "fused step" + (", v's conv first" if v_first else "")) + (
+            ", the state a block ahead" if ahead else "") + ("" if one else ", two chained reductions")
         yield (f"kda decode {what}, B = {B}, H = {HD}, [{BK}, {BV}] blocks, {warps} warps"), report(
             kd._decode_kernel, ptrs, dict(H=HD, K=KD, V=KD, scale=0.1, eps=1e-6), consts, num_warps=warps)
 
