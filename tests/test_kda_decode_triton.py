@@ -335,6 +335,18 @@ def test_launch_config_and_errors():
 
 # ---------------------------------------------------------------------------------------------- GPU, K3 decode shape
 
+K3_DECODE = (64, 96, 128, 128, 4)   # B, H, K, V, W
+
+
+def _k3_decode_inputs(steps: int):
+    """On the GPU at K3's decode shape: the conv weights, each row's document start (restarting within `steps`
+    steps or mid-document), bf16 tails, a random fp32 state."""
+    B, H, K, V, W = K3_DECODE
+    weights = [w.to("cuda") for w in _conv_weights(H, K, V, W)]
+    starts = torch.randint(0, P0 + steps, (B,))
+    tails = [torch.randn(B, W - 1, H * D, device="cuda").bfloat16() for D in (K, K, V)]
+    return weights, starts, tails, 0.5 * torch.randn(B, H, K, V, device="cuda")
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(max_registers=128),
                                     dict(v_first=False, block_v=32, num_warps=2),
@@ -348,12 +360,9 @@ def test_gpu_k3_decode_matches_reference(launch):
     values land one bf16 ulp from the reference's), so the tolerances are statistical: the state 1e-4 and o 5e-4
     relative to the rounded reference (the torch path's own fp32 run at B=16, H=24 differs by ≤ 6e-6 and 2.4e-5);
     the tails are moved bits, exact. Prints the time per step against the torch path's."""
-    B, H, K, V, W = 64, 96, 128, 128, 4
+    B, H, K, V, W = K3_DECODE
     dt, dev, scale = torch.bfloat16, "cuda", K ** -0.5
-    weights = [w.to(dev) for w in _conv_weights(H, K, V, W)]
-    starts = torch.randint(0, P0 + 3, (B,))
-    tails = [torch.randn(B, W - 1, H * D, device=dev).to(dt) for D in (K, K, V)]
-    state = 0.5 * torch.randn(B, H, K, V, device=dev)
+    weights, starts, tails, state = _k3_decode_inputs(3)
     tails64, S64 = [t.double() for t in tails], state.double()
     for step in range(3):
         conv_reset = _conv_reset(P0 + step, W, starts).to(dev)
@@ -399,12 +408,9 @@ def test_gpu_v_first_launches_equal_the_conv_in_the_loop(launch):
     size: the same arithmetic, so o and the state agree to 1e-6 and the tails exactly, over five steps (rows
     restarting among them). A thread reading v back after another overwrote it with o, or a block of S after its
     store, would show here."""
-    B, H, K, V, W = 64, 96, 128, 128, 4
+    B, H, K, V, W = K3_DECODE
     dt, dev, scale = torch.bfloat16, "cuda", K ** -0.5
-    weights = [w.to(dev) for w in _conv_weights(H, K, V, W)]
-    starts = torch.randint(0, P0 + 5, (B,))
-    tails = [torch.randn(B, W - 1, H * D, device=dev).to(dt) for D in (K, K, V)]
-    state = 0.5 * torch.randn(B, H, K, V, device=dev)
+    weights, starts, tails, state = _k3_decode_inputs(5)
     tails2, state2 = [t.clone() for t in tails], state.clone()
     BK, BV, warps = kd.decode_config(K, V)
     for step in range(5):
