@@ -117,6 +117,7 @@ SHAPES = {   # name: (B, H, K, V, W, block_v)
     "K=V=16": (3, 2, 16, 16, 4, None),
     "K=V=32, four rows": (4, 3, 32, 32, 4, None),
     "K=24, V=40 in blocks of 16, W=3": (2, 2, 24, 40, 3, 16),
+    "K=V=16, W=2 (a one-row tail)": (2, 2, 16, 16, 2, None),
     "K3 heads K=V=128": (1, 2, 128, 128, 4, None),
 }
 
