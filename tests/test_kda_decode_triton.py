@@ -137,21 +137,18 @@ THREE_BLOCKS = "K=24, V=40 in blocks of 16, W=3"
 @pytest.mark.parametrize("shape, dtype, launch", [
     (THREE_BLOCKS, torch.bfloat16, dict(stream=True)), (THREE_BLOCKS, torch.bfloat16, dict(stream=True, stages=2)),
     (THREE_BLOCKS, torch.bfloat16, dict(max_registers=64)), (THREE_BLOCKS, torch.bfloat16, dict(v_first=False)),
-    (THREE_BLOCKS, torch.bfloat16, dict(v_first=True, state_ahead=True)),
-    (THREE_BLOCKS, torch.float32, dict(v_first=True, state_ahead=True)),
-    ("K=V=16", torch.bfloat16, dict(v_first=True, state_ahead=True)),
     (THREE_BLOCKS, torch.bfloat16, dict(hoist=False)), (THREE_BLOCKS, torch.float32, dict(hoist=False)),
-    (THREE_BLOCKS, torch.bfloat16, dict(hoist=False, state_ahead=True)),
-    (THREE_BLOCKS, torch.bfloat16, dict(one_reduce=False)), (THREE_BLOCKS, torch.float32, dict(one_reduce=False))],
-    ids=["stream", "stream-2-stages", "register-cap", "conv-in-loop", "state-ahead", "state-ahead-fp32",
-         "state-ahead-one-block", "convs-in-turn", "convs-in-turn-fp32", "convs-in-turn-state-ahead",
-         "two-reductions", "two-reductions-fp32"])
+    (THREE_BLOCKS, torch.bfloat16, dict(hoist=False, state_ahead=False)),
+    (THREE_BLOCKS, torch.bfloat16, dict(state_ahead=False)), (THREE_BLOCKS, torch.float32, dict(state_ahead=False)),
+    ("K=V=16", torch.bfloat16, dict(state_ahead=False))],
+    ids=["stream", "stream-2-stages", "register-cap", "conv-in-loop", "convs-in-turn", "convs-in-turn-fp32",
+         "round-15-default", "no-state-ahead", "no-state-ahead-fp32", "no-state-ahead-one-block"])
 def test_decode_steps_with_benchmark_launch_options(shape, dtype, launch):
     """The benchmarks' launch options (streaming cache hints, the column-block loop software-pipelined, a register
-    cap, v's conv in the loop (before the default), the state loaded a block ahead, the three convs' loads, barriers
-    and shifts in turn (`hoist=False`, before the default), o as Sᵀq after the update (`one_reduce=False`, before the
-    default)) compute the same: three column blocks a program (the last one partial), whose loads may run ahead of
-    the previous block's in-place stores; and one block a program."""
+    cap, v's conv in the loop (round 14's default), the state not loaded a block ahead, the three convs' loads,
+    barriers and shifts in turn (`hoist=False`), both (round 15's default)) compute the same as the default
+    (`test_decode_steps_match_reference`): three column blocks a program (the last one partial), whose loads may
+    run ahead of the previous block's in-place stores; and one block a program."""
     _decode_steps(shape, dtype, **launch)
 
 
@@ -220,9 +217,10 @@ def test_decode_updates_state_and_tails_in_place_only():
     assert rel_err(state.cpu(), S_ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("launch", [{}, dict(v_first=False), dict(v_first=True, state_ahead=True, block_v=8),
-                                    dict(hoist=False, state_ahead=True, block_v=8)],
-                         ids=["default", "conv-in-loop", "state-ahead", "convs-in-turn-state-ahead"])
+@pytest.mark.parametrize("launch", [{}, dict(v_first=False), dict(block_v=8), dict(state_ahead=False, block_v=8),
+                                    dict(hoist=False, block_v=8)],
+                         ids=["default", "conv-in-loop", "state-ahead-two-blocks", "no-state-ahead",
+                              "convs-in-turn-state-ahead"])
 def test_restart_reads_neither_old_state_nor_dead_taps(launch):
     """A row whose new token starts its document computes from a zero state and zero taps without reading them:
     NaN there (e.g. garbage left by padding) does not reach o, the state or the other row (also where the state is
@@ -270,14 +268,10 @@ def test_small_activations_norm_with_eps_inside_the_sqrt():
 
 # ---------------------------------------------------------------------------------------------- step without convs
 
-@pytest.mark.parametrize("launch", [{}, dict(one_reduce=False), dict(state_ahead=True)],
-                         ids=["default", "two-reductions", "state-ahead"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_inplace_matches_kda_step(dtype, launch):
+def test_step_inplace_matches_kda_step(dtype):
     """`kda_step_inplace_triton` (V split over the grid: 40 columns in blocks of 16) against float64 `kda_step` on
-    `state * keep`, two steps, one row restarting at the second; o from the decayed state (the default) and from
-    the updated one; the state's block loaded before q and k (its prefetch past the program's block masked: a
-    program reading or writing its neighbour's columns would show in the state)."""
+    `state * keep`, two steps, one row restarting at the second."""
     B, H, K, V = 2, 3, 32, 40
     scale = K ** -0.5
     state = torch.randn(B, H, K, V)
@@ -290,7 +284,7 @@ def test_step_inplace_matches_kda_step(dtype, launch):
         o_ref, S64 = kda_step(q.double(), k.double(), v.double(), g.double(), beta.double(), S64 * keep,
                               scale=scale)
         o = kd.kda_step_inplace_triton(*_dev(q, k, v, g, beta), state, None if reset is None else reset.to(DEVICE),
-                                       scale=scale, block_v=16, **launch)
+                                       scale=scale, block_v=16)
         assert o.dtype == dtype and rel_err(state.cpu(), S64) < FP32_TOL
         if dtype == torch.float32:
             assert rel_err(o.cpu(), o_ref) < FP32_TOL
@@ -352,9 +346,9 @@ def _k3_decode_inputs(steps: int):
 @pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(max_registers=128),
                                     dict(v_first=False, block_v=32, num_warps=2),
                                     dict(v_first=True, state_ahead=True, block_v=16, num_warps=2),
-                                    dict(hoist=False), dict(one_reduce=False)],
-                         ids=["default", "stream", "register-cap", "conv-in-loop", "state-ahead", "convs-in-turn",
-                              "two-reductions"])
+                                    dict(hoist=False), dict(state_ahead=False)],
+                         ids=["default", "stream", "register-cap", "conv-in-loop", "state-ahead-16-columns",
+                              "convs-in-turn", "no-state-ahead"])
 def test_gpu_k3_decode_matches_reference(launch):
     """B=64, H=96, K=V=128, bf16 activations, fp32 state, three steps (rows restarting at each, and mid-document),
     against the float64 reference on the GPU. At this size near-tie roundings are not redrawn (~1e-4 of the rounded
@@ -400,12 +394,12 @@ def test_gpu_k3_decode_matches_reference(launch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", [dict(v_first=True), dict(v_first=True, state_ahead=True),
-                                    dict(v_first=True, hoist=False)],
-                         ids=["v-first", "state-ahead", "convs-in-turn"])
+@pytest.mark.parametrize("launch", [{}, dict(state_ahead=False), dict(hoist=False)],
+                         ids=["default", "no-state-ahead", "convs-in-turn"])
 def test_gpu_v_first_launches_equal_the_conv_in_the_loop(launch):
     """The fused step with v's conv before the loop (the default: o holding v until each block overwrites it; its
-    loads issued together, or the three convs in turn), and with the state loaded a block ahead, against v's conv in the loop at the same blocks and warps, at K3's
+    loads issued together, or the three convs in turn), with the state loaded a block ahead (the default) or not,
+    against v's conv in the loop at the same blocks and warps, at K3's
     size: the same arithmetic, so o and the state agree to 1e-6 and the tails exactly, over five steps (rows
     restarting among them). A thread reading v back after another overwrote it with o, or a block of S after its
     store, would show here."""

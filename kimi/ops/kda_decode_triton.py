@@ -11,10 +11,10 @@ document start lies in (j, W−1] of `conv_reset`:
 
 **Kernel.** One program per (b, h) walks the V columns in blocks of BV (`decode_config`): the q/k conv and norm
 and v's conv (kept in o until each block's output overwrites it) are computed once, then each [K, BV] block of S is
-loaded with its v, updated in registers and stored back, so the state is read once and written once (the columns
-of S never mix). Both products over K come from S', o as S'ᵀ(scale·q) + (scale·q·k) u, so they are one reduction
-of two operands (one exchange between warps a block, where Sᵀq after the update would be a second, chained after
-the first through u). Splitting V over programs instead would let one program shift a
+loaded with its v (block i + 1 while block i is updated), updated in registers and stored back, so the state is
+read once and written once (the columns of S never mix). Every load before the loop (the three convs' operands, g, beta and the first block of S) is
+issued before the first barrier: one round trip to memory, then the convs, one barrier and the tails' shifts.
+Splitting V over programs instead would let one program shift a
 q/k tail that another has yet to read (sharing the shift by ticket measured slower: every program redoes the q/k
 conv and norm, docs/performance.md#kda); inside a program a barrier orders every read of a tail or a block of S
 before its overwrite. `kda_step_inplace_triton` (no convs, q and k already normalized) has no tails and splits V
@@ -92,10 +92,6 @@ if triton is not None:
         return _to16(y, DT, EMULATE).to(tl.float32)
 
     @triton.jit
-    def _add_pair(a0, a1, b0, b1):
-        return a0 + b0, a1 + b1
-
-    @triton.jit
     def _load_state(s_row, keep, mk, vv, V, STREAM: tl.constexpr):
         """The [K, BV] block of S at the columns vv (rows at s_row [K, 1]), zeros where not keep (a restart reads
         nothing). STREAM: evict-first (the state is touched once a step: keep it from evicting the weights' lines
@@ -111,7 +107,7 @@ if triton is not None:
                        W: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
                        CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                        STREAM: tl.constexpr, STAGES: tl.constexpr, V_FIRST: tl.constexpr = False,
-                       BVA: tl.constexpr = 16, AHEAD: tl.constexpr = False, ONE_REDUCE: tl.constexpr = True,
+                       BVA: tl.constexpr = 16, AHEAD: tl.constexpr = False,
                        HOIST: tl.constexpr = True):
         # program (b·H + h, column split s): columns [s·NB·BV, (s+1)·NB·BV) of S in NB blocks of BV. With CONV
         # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
@@ -120,14 +116,12 @@ if triton is not None:
         # V_FIRST (`v_first`, CONV only): v's conv over all V columns (BVA: V's power of two) beside q's and k's
         # before the loop, stored in o (the activation dtype it is rounded to), which the loop reads back a block
         # at a time before overwriting it: the loop then loads a block of S and of v, updates and stores them with
-        # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST or without CONV): S loaded
-        # one block ahead, the first block before the convs (or q and k), block i + 1 while block i is updated (two
-        # blocks live). ONE_REDUCE
-        # (`one_reduce`): o = Sᵀq from the decayed S' as S'ᵀq + (q·k) u, so kᵀS' and qᵀS' are one two-operand
-        # reduction over K a block (one exchange between warps, not two in a chain: u between them). HOIST
-        # (`hoist`, with V_FIRST): every load before the loop (g, beta, the three convs' tails, inputs and weights)
-        # is issued first, then the convs and norms, one barrier, the three tail shifts: one round trip to memory
-        # where the convs in turn wait for theirs in a chain.
+        # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead,
+        # the first block with the prologue's loads, block i + 1 while block i is updated (two blocks live). HOIST
+        # (`hoist`, with V_FIRST): every load before the loop (g, beta, the three convs' tails, inputs and weights;
+        # with AHEAD the first block of S) is issued first, then the convs and norms, one barrier, the three tail
+        # shifts: one round trip to memory where the convs in turn wait for theirs in a chain (the compiler moves
+        # no load across a barrier).
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -173,16 +167,12 @@ if triton is not None:
                 keep = tl.load(reset_ptr + b) == 0
             else:
                 keep = True
-            if AHEAD:   # the state's first block before q and k (whose layout changes wait on barriers)
-                S_next = _load_state(s_row, keep, mk, tl.program_id(1) * NB * BV + tl.arange(0, BV), V, STREAM)
             q = tl.load(q_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
         if not (CONV and V_FIRST and HOIST):
             decay = tl.exp(tl.load(g_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32))
             beta = tl.load(beta_ptr + bh).to(tl.float32)
         qs = scale * q
-        if ONE_REDUCE:
-            qk = tl.sum(qs * k, 0)
         for i in tl.range(NB, num_stages=STAGES):
             vv = (tl.program_id(1) * NB + i) * BV + tl.arange(0, BV)
             mv = vv < V
@@ -190,12 +180,8 @@ if triton is not None:
             s_ptrs = s_row + vv[None, :]
             if AHEAD:
                 S = S_next
-                # none after the program's last block (the next program's columns, or past V)
-                S_next = _load_state(s_row, (i + 1 < NB) & keep, mk, vv + BV, V, STREAM)
-                if CONV:
-                    v = tl.load(o_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
-                else:
-                    v = tl.load(v_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
+                S_next = _load_state(s_row, keep, mk, vv + BV, V, STREAM)   # past V in the last block: masked
+                v = tl.load(o_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
             elif V_FIRST:
                 S = _load_state(s_row, keep, mk, vv, V, STREAM)
                 v = tl.load(o_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
@@ -206,15 +192,9 @@ if triton is not None:
                 v = tl.load(v_ptr + bh * V + vv, mask=mv, other=0.0).to(tl.float32)
                 S = _load_state(s_row, keep, mk, vv, V, STREAM)
             S = decay[:, None] * S
-            if ONE_REDUCE:
-                kS, qS = tl.reduce((S * k[:, None], S * qs[:, None]), 0, _add_pair)
-                u = beta * (v - kS)
-                S = S + k[:, None] * u[None, :]
-                o = qS + qk * u
-            else:
-                u = beta * (v - tl.sum(S * k[:, None], 0))
-                S = S + k[:, None] * u[None, :]
-                o = tl.sum(S * qs[:, None], 0)
+            u = beta * (v - tl.sum(S * k[:, None], 0))
+            S = S + k[:, None] * u[None, :]
+            o = tl.sum(S * qs[:, None], 0)
             tl.debug_barrier()   # as in _conv_token: all reads of this block of S (and of v in o) before the first
             #                      write
             if STREAM:
@@ -244,7 +224,7 @@ STREAM = False
 
 
 def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W, conv, block_v, num_warps,
-            stream=None, stages=1, max_registers=None, v_first=False, state_ahead=False, one_reduce=True, hoist=True):
+            stream=None, stages=1, max_registers=None, v_first=False, state_ahead=False, hoist=True):
     B, H, K, V = state.shape
     BK, BV, warps = decode_config(K, V, fused=conv)
     if block_v is not None or num_warps is not None:   # a benchmark's choice
@@ -256,7 +236,7 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
     if max_registers is not None and not 24 <= max_registers <= 255:
         raise ValueError(f"kda decode: max_registers={max_registers} must be None or within [24, 255] (ptxas)")
     cap = {} if max_registers is None else dict(maxnreg=max_registers)
-    if state_ahead and conv and not v_first:
+    if state_ahead and not (conv and v_first):
         raise ValueError("kda decode: state_ahead needs the fused step with v_first=True")
     if B * H:
         _decode_kernel[(B * H, splits)](
@@ -264,7 +244,7 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
             STAGES=stages, V_FIRST=v_first and conv, BVA=max(16, triton.next_power_of_2(V)), AHEAD=state_ahead,
-            ONE_REDUCE=one_reduce, HOIST=hoist, num_warps=warps, **cap)
+            HOIST=hoist, num_warps=warps, **cap)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,
@@ -272,7 +252,7 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
                            g: Tensor, beta: Tensor, state: Tensor, *, scale: float, eps: float = 1e-6,
                            block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None,
                            stages: int = 1, max_registers: int | None = None, v_first: bool = True,
-                           state_ahead: bool = False, one_reduce: bool = True, hoist: bool = True) -> Tensor:
+                           state_ahead: bool | None = None, hoist: bool = True) -> Tensor:
     """One cached decode token of KDA from the raw projections: `kda_layer`'s T == 1 path from the conv inputs to o.
 
     Args:
@@ -289,12 +269,10 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
         block_v, num_warps: override `decode_config`; stream: cache hints (`STREAM`); stages: the column-block
             loop's software-pipelining depth; max_registers: ptxas's register cap a thread (more programs an SM,
             more of the state in flight, at the price of spills); v_first (the default): v's conv for all columns
-            before the state's loop (o holds it until overwritten), not a block's before each block; state_ahead (with
-            v_first): S loaded a block ahead (the first block before the convs); one_reduce (the default): o as
-            S'ᵀq + (q·k) u from the decayed state S', with kᵀS' in the same reduction over K (the two products of
-            the algebra above, equal up to fp32 rounding), not Sᵀq after the update; hoist (the default, with
+            before the state's loop (o holds it until overwritten), not a block's before each block; state_ahead (None:
+            with v_first): S loaded a block ahead (the first block with the convs' loads); hoist (the default, with
             v_first): the loads of the convs, g and beta issued together before any conv, one barrier before the
-            tails' shifts, not each conv's loads, barrier and shift in turn; all eight for benchmarks.
+            tails' shifts, not each conv's loads, barrier and shift in turn; all seven for benchmarks.
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """
@@ -322,20 +300,18 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
     _launch(q_raw, k_raw, v_raw, (q_weight, k_weight, v_weight), (q_tail, k_tail, v_tail),
             conv_reset.contiguous().view(torch.uint8), g, beta, state, o, scale=scale, eps=eps, W=W, conv=True,
             block_v=block_v, num_warps=num_warps, stream=stream, stages=stages, max_registers=max_registers,
-            v_first=v_first, state_ahead=state_ahead, one_reduce=one_reduce, hoist=hoist)
+            v_first=v_first, state_ahead=v_first if state_ahead is None else state_ahead, hoist=hoist)
     return o
 
 
 def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
                             reset: Tensor | None = None, *, scale: float, block_v: int | None = None,
                             num_warps: int | None = None, stream: bool | None = None,
-                            max_registers: int | None = None, one_reduce: bool = True,
-                            state_ahead: bool = False) -> Tensor:
+                            max_registers: int | None = None) -> Tensor:
     """`delta_rule.kda_step` with the state updated in place: q, k [B, H, K] already normalized, v [B, H, V], g
     [B, H, K], beta [B, H], state [B, H, K, V] float32 contiguous, reset [B] bool or None (True: the row's state
     restarts from 0 first, as `state * keep`). Programs over (b·H + h, block of BV state columns). Returns o
-    [B, H, V] in v.dtype. block_v, num_warps, stream, max_registers, one_reduce: as `kda_decode_step_triton`'s;
-    state_ahead: the program's (first) block of S loaded before q and k."""
+    [B, H, V] in v.dtype. block_v, num_warps, stream, max_registers: as `kda_decode_step_triton`'s."""
     B, H, K, V = state.shape
     shapes = dict(q=(q, (B, H, K)), k=(k, (B, H, K)), v=(v, (B, H, V)), g=(g, (B, H, K)), beta=(beta, (B, H)))
     if reset is not None:
@@ -349,8 +325,7 @@ def kda_step_inplace_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     if reset is not None:
         reset = reset.contiguous().view(torch.uint8)
     _launch(q, k, v, (None,) * 3, (None,) * 3, reset, g, beta, state, o, scale=scale, eps=0.0, W=1, conv=False,
-            block_v=block_v, num_warps=num_warps, stream=stream, max_registers=max_registers, one_reduce=one_reduce,
-            state_ahead=state_ahead)
+            block_v=block_v, num_warps=num_warps, stream=stream, max_registers=max_registers)
     return o
 
 

@@ -233,32 +233,21 @@ def decode_rows(B: int, H: int, D: int, iters: int, fused_recurrent_kda, sweep: 
         lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale))
     rows["ours kda_step_inplace_triton, streaming cache hints"] = (
         lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale, stream=True))
-    rows["ours kda_step_inplace_triton, the state before q and k"] = (
-        lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale, state_ahead=True))
-    rows["ours kda_step_inplace_triton, o after the update (two reductions, before)"] = (
-        lambda: kda_decode_triton.kda_step_inplace_triton(q, k, v, g, beta, s, scale=scale, one_reduce=False))
     rows["ours kda_decode_step_triton (convs + norms + step, in place)"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale))
     rows["ours kda_decode_step_triton, streaming cache hints"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
                                                          scale=scale, stream=True))
-    rows["ours kda_decode_step_triton, the convs in turn, o after the update (round 15's default)"] = (
+    rows["ours kda_decode_step_triton, the convs in turn, no state ahead (round 15's default)"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
-                                                         scale=scale, hoist=False, one_reduce=False))
-    rows["ours kda_decode_step_triton, the convs in turn"] = (
+                                                         scale=scale, hoist=False, state_ahead=False))
+    rows["ours kda_decode_step_triton, no state ahead"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
-                                                         scale=scale, hoist=False))
-    rows["ours kda_decode_step_triton, o after the update"] = (
-        lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
-                                                         scale=scale, one_reduce=False))
-    rows["ours kda_decode_step_triton, the state a block ahead"] = (
-        lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
-                                                         scale=scale, state_ahead=True))
+                                                         scale=scale, state_ahead=False))
     rows["ours kda_decode_step_triton, v's conv in the loop (round 14's default), [128, 32] on 2 warps"] = (
         lambda: kda_decode_triton.kda_decode_step_triton(*raw, *weights, *tails, conv_reset, g, beta, s,
-                                                         scale=scale, v_first=False, block_v=32, num_warps=2,
-                                                         one_reduce=False))
+                                                         scale=scale, v_first=False, block_v=32, num_warps=2))
     res = {name: [] for name in rows}
     queued = {name: [] for name in rows}
     for _ in range(5):   # interleaved rounds: the GPU's drift (±15 % between calls) lands on every row alike

@@ -458,31 +458,26 @@ def kda_bwd_saved():
 
 def kda_decode():
     """The decode step at K = V = 128, bf16 activations, as `kda_decode_triton._launch` runs it: the fused step (the
-    three short convs of width 4, norms, the step; one program a row and head walking its column blocks), the same
-    with v's conv before the loop (`v_first`; also loading the state a block ahead: `state_ahead`) at launches the
-    decode sweep times, and the in-place step (column blocks over the grid); the default launches also with the
-    two reductions over K chained (`one_reduce=False`) and the fused step's convs in turn (`hoist=False`)."""
+    three short convs of width 4, norms, the step; one program a row and head walking its column blocks; v's conv
+    before the loop, every prologue load issued first and the state loaded a block ahead), the same without those
+    options and at the launches the decode sweep times, and the in-place step (column blocks over the grid)."""
     B, HD, KD, W = 64, 96, 128, 4
     # the in-place step's conv weights and tails are None at launch and unused (CONV off): typed alike here
     ptrs = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, wq_ptr=BF, wk_ptr=BF, wv_ptr=BF, tq_ptr=BF, tk_ptr=BF, tv_ptr=BF,
                 reset_ptr="*u8", g_ptr=F32, beta_ptr=F32, state_ptr=F32, o_ptr=BF)
-    # (BK, BV, warps, v_first, state_ahead, one_reduce, hoist); v_first None: the in-place step
-    fused = [(*kd.decode_config(KD, KD, fused=True), False, False, True, True)] + [
-        (128, bv, w, True, ahead, True, True) for bv, w, ahead in ((16, 2, False), (32, 2, False), (32, 4, False),
-                                                                   (64, 8, False), (128, 8, False), (16, 2, True),
-                                                                   (32, 4, True))] + [
-        (128, 32, 4, True, False, one, hoist) for one, hoist in ((False, True), (True, False), (False, False))]
-    plain = [(*kd.decode_config(KD, KD, fused=False), None, ahead, one, True)
-             for ahead, one in ((False, True), (True, True), (False, False))]
-    for BK, BV, warps, v_first, ahead, one, hoist in fused + plain:
+    BK, BV, warps = kd.decode_config(KD, KD, fused=True)
+    # (BK, BV, warps, v_first, state_ahead, hoist); v_first None: the in-place step
+    fused = [(BK, BV, warps, True, True, True), (BK, BV, warps, True, False, True), (BK, BV, warps, True, True, False),
+             (BK, BV, warps, True, False, False), (BK, BV, warps, False, False, True)] + [
+        (128, bv, w, True, True, True) for bv, w in ((16, 2), (32, 2), (64, 8), (128, 8))]
+    for BK, BV, warps, v_first, ahead, hoist in fused + [(*kd.decode_config(KD, KD, fused=False), None, False, True)]:
         conv = v_first is not None
         consts = dict(W=W if conv else 1, BW=triton.next_power_of_2(W if conv else 1), BK=BK, BV=BV,
                       NB=KD // BV if conv else 1, CONV=conv, HAS_RESET=conv, DT=triton.language.bfloat16,
-                      EMULATE=False, STREAM=False, STAGES=1, V_FIRST=bool(v_first), BVA=KD, AHEAD=ahead,
-                      ONE_REDUCE=one, HOIST=hoist)
-        what = ("in-place step" if not conv else "fused step" + (", v's conv first" if v_first else "")
-                + ("" if hoist or not v_first else ", the convs in turn")) + (
-            ", the state a block ahead" if ahead else "") + ("" if one else ", two chained reductions")
+                      EMULATE=False, STREAM=False, STAGES=1, V_FIRST=bool(v_first), BVA=KD, AHEAD=ahead, HOIST=hoist)
+        what = ("in-place step" if not conv else "fused step" + ("" if v_first else ", v's conv in the loop")
+                + ("" if hoist or not v_first else ", the convs in turn")
+                + ("" if ahead or not v_first else ", no state ahead"))
         yield (f"kda decode {what}, B = {B}, H = {HD}, [{BK}, {BV}] blocks, {warps} warps"), report(
             kd._decode_kernel, ptrs, dict(H=HD, K=KD, V=KD, scale=0.1, eps=1e-6), consts, num_warps=warps)
 
