@@ -146,9 +146,9 @@ THREE_BLOCKS = "K=24, V=40 in blocks of 16, W=3"
 def test_decode_steps_with_benchmark_launch_options(shape, dtype, launch):
     """The benchmarks' launch options (streaming cache hints, the column-block loop software-pipelined, a register
     cap, v's conv in the loop (round 14's default), the state not loaded a block ahead, the three convs' loads,
-    barriers and shifts in turn (`hoist=False`), both (round 15's default)) compute the same as the default
-    (`test_decode_steps_match_reference`): three column blocks a program (the last one partial), whose loads may
-    run ahead of the previous block's in-place stores; and one block a program."""
+    barriers and shifts in turn (`hoist=False`), both (round 15's default)) match the float64 reference as the
+    default does (`test_decode_steps_match_reference`): three column blocks a program (the last one partial), whose
+    loads may run ahead of the previous block's in-place stores; and one block a program."""
     _decode_steps(shape, dtype, **launch)
 
 
@@ -223,8 +223,8 @@ def test_decode_updates_state_and_tails_in_place_only():
                               "convs-in-turn-state-ahead"])
 def test_restart_reads_neither_old_state_nor_dead_taps(launch):
     """A row whose new token starts its document computes from a zero state and zero taps without reading them:
-    NaN there (e.g. garbage left by padding) does not reach o, the state or the other row (also where the state is
-    loaded a block ahead, before the convs)."""
+    NaN there (e.g. garbage left by padding) does not reach o, the state or the other row (the default loads the
+    state a block ahead, its first block with the convs' operands; also without that, and with the convs in turn)."""
     B, H, K, V, W = 2, 2, 16, 16, 4
     weights = _conv_weights(H, K, V, W)
     conv_reset = _conv_reset(P0, W, torch.tensor([P0, 0]))   # row 0 restarts, row 1 is mid-document
@@ -341,6 +341,7 @@ def _k3_decode_inputs(steps: int):
     starts = torch.randint(0, P0 + steps, (B,))
     tails = [torch.randn(B, W - 1, H * D, device="cuda").bfloat16() for D in (K, K, V)]
     return weights, starts, tails, 0.5 * torch.randn(B, H, K, V, device="cuda")
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(max_registers=128),

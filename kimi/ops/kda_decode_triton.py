@@ -12,9 +12,9 @@ document start lies in (j, W−1] of `conv_reset`:
 **Kernel.** One program per (b, h) walks the V columns in blocks of BV (`decode_config`): the q/k conv and norm
 and v's conv (kept in o until each block's output overwrites it) are computed once, then each [K, BV] block of S is
 loaded with its v (block i + 1 while block i is updated), updated in registers and stored back, so the state is
-read once and written once (the columns of S never mix). Every load before the loop (the three convs' operands, g, beta and the first block of S) is
-issued before the first barrier: one round trip to memory, then the convs, one barrier and the tails' shifts.
-Splitting V over programs instead would let one program shift a
+read once and written once (the columns of S never mix). Every load before the loop (the reset flags, the three
+convs' operands, g, beta and the first block of S) is issued before the first barrier: one round trip to memory,
+then the convs, one barrier and the tails' shifts. Splitting V over programs instead would let one program shift a
 q/k tail that another has yet to read (sharing the shift by ticket measured slower: every program redoes the q/k
 conv and norm, docs/performance.md#kda); inside a program a barrier orders every read of a tail or a block of S
 before its overwrite. `kda_step_inplace_triton` (no convs, q and k already normalized) has no tails and splits V
@@ -118,10 +118,10 @@ if triton is not None:
         # at a time before overwriting it: the loop then loads a block of S and of v, updates and stores them with
         # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead,
         # the first block with the prologue's loads, block i + 1 while block i is updated (two blocks live). HOIST
-        # (`hoist`, with V_FIRST): every load before the loop (g, beta, the three convs' tails, inputs and weights;
-        # with AHEAD the first block of S) is issued first, then the convs and norms, one barrier, the three tail
-        # shifts: one round trip to memory where the convs in turn wait for theirs in a chain (the compiler moves
-        # no load across a barrier).
+        # (`hoist`, with V_FIRST): every load before the loop (the reset flags, g, beta, the three convs' tails,
+        # inputs and weights; with AHEAD the first block of S) is issued first, then the convs and norms, one
+        # barrier, the three tail shifts: one round trip to memory where the convs in turn wait for theirs in a
+        # chain (the compiler moves no load across a barrier).
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
@@ -210,7 +210,8 @@ def decode_config(K: int, V: int, fused: bool = True) -> tuple[int, int, int]:
     takes 32 columns on 32 state elements a thread, the in-place step (column blocks over the grid) 64 columns on
     64. Tuned at B = 64, H = 96, K = V = 128 (`tests/bench/kda.py --decode-sweep`, docs/performance.md#kda): the
     fused step [128, 32] on 4 warps with `v_first` 321 µs against 335 for the conv in its loop on 2 warps (KDA round
-    15, an H100); the plain step [128, 64] on 4 warps 335 µs against 369-389 (round 1, the H200)."""
+    15, an H100; round 16 took its prologue's loads together and the state a block ahead at the same blocks); the
+    plain step [128, 64] on 4 warps 335 µs against 369-389 (round 1, the H200)."""
     if K > 256:
         raise ValueError(f"kda decode: the key dim K={K} must be at most 256 (a [K, BV] state block stays in "
                          "registers)")
@@ -271,8 +272,9 @@ def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight
             more of the state in flight, at the price of spills); v_first (the default): v's conv for all columns
             before the state's loop (o holds it until overwritten), not a block's before each block; state_ahead (None:
             with v_first): S loaded a block ahead (the first block with the convs' loads); hoist (the default, with
-            v_first): the loads of the convs, g and beta issued together before any conv, one barrier before the
-            tails' shifts, not each conv's loads, barrier and shift in turn; all seven for benchmarks.
+            v_first): the loads of the convs, g, beta (and the first block of S) issued together before any conv,
+            one barrier before the tails' shifts, not each conv's loads, barrier and shift in turn; all seven for
+            benchmarks.
 
     Returns o [B, H, V] in the activation dtype. Static launch shapes, no host reads: CUDA-graph capturable.
     """

@@ -1,9 +1,9 @@
 """Compile the project's Triton kernels for SM90 without a GPU and report what the H200 would run: registers,
 spilled bytes, shared memory, wgmma (HGMMA) instructions and the waits on them (one a wgmma where ptxas
-serialized them), mma.sync (HMMA) instructions, cp.async copies and layout conversions, barriers (BAR.SYNC) and SASS instructions. Launch arguments are
-specialized as Triton's launcher does (16-byte-aligned pointers and ints divisible by 16 marked so, ints equal to
-1 made constants): without that every gather compiles to 2-byte loads and the spills come out several times too
-large.
+serialized them), mma.sync (HMMA) instructions, cp.async copies, layout conversions, barriers (BAR.SYNC) and SASS
+instructions. Launch arguments are specialized as Triton's launcher does (16-byte-aligned pointers and ints
+divisible by 16 marked so, ints equal to 1 made constants): without that every gather compiles to 2-byte loads and
+the spills come out several times too large.
 
     python tests/bench/sm90_compile.py indexer indexer-select sparse-fwd sparse-dq sparse-dkv kda-fwd
     python tests/bench/sm90_compile.py kda-bwd kda-decode
