@@ -346,8 +346,7 @@ def _k3_decode_inputs(steps: int):
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", [{}, dict(stream=True, stages=2, block_v=32), dict(max_registers=128),
                                     dict(v_first=False, block_v=32, num_warps=2),
-                                    dict(v_first=True, state_ahead=True, block_v=16, num_warps=2),
-                                    dict(hoist=False), dict(state_ahead=False)],
+                                    dict(block_v=16, num_warps=2), dict(hoist=False), dict(state_ahead=False)],
                          ids=["default", "stream", "register-cap", "conv-in-loop", "state-ahead-16-columns",
                               "convs-in-turn", "no-state-ahead"])
 def test_gpu_k3_decode_matches_reference(launch):
@@ -400,10 +399,9 @@ def test_gpu_k3_decode_matches_reference(launch):
 def test_gpu_v_first_launches_equal_the_conv_in_the_loop(launch):
     """The fused step with v's conv before the loop (the default: o holding v until each block overwrites it; its
     loads issued together, or the three convs in turn), with the state loaded a block ahead (the default) or not,
-    against v's conv in the loop at the same blocks and warps, at K3's
-    size: the same arithmetic, so o and the state agree to 1e-6 and the tails exactly, over five steps (rows
-    restarting among them). A thread reading v back after another overwrote it with o, or a block of S after its
-    store, would show here."""
+    against v's conv in the loop at the same blocks and warps, at K3's size: the same arithmetic, so o and the
+    state agree to 1e-6 and the tails exactly, over five steps (rows restarting among them). A thread reading v
+    back after another overwrote it with o, or a block of S after its store, would show here."""
     B, H, K, V, W = K3_DECODE
     dt, dev, scale = torch.bfloat16, "cuda", K ** -0.5
     weights, starts, tails, state = _k3_decode_inputs(5)

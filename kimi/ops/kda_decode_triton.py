@@ -108,7 +108,7 @@ if triton is not None:
                        CONV: tl.constexpr, HAS_RESET: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr,
                        STREAM: tl.constexpr, STAGES: tl.constexpr, V_FIRST: tl.constexpr = False,
                        BVA: tl.constexpr = 16, AHEAD: tl.constexpr = False,
-                       HOIST: tl.constexpr = True):
+                       HOIST: tl.constexpr = False):
         # program (b·H + h, column split s): columns [s·NB·BV, (s+1)·NB·BV) of S in NB blocks of BV. With CONV
         # q, k, v are raw projections [B, H·K] / [B, H·V] and reset is the conv window's [B, W]; without, q, k
         # [B, H, K] are normalized, v [B, H, V], reset [B] (HAS_RESET). g [B, H, K], beta [B, H], state
@@ -118,17 +118,17 @@ if triton is not None:
         # at a time before overwriting it: the loop then loads a block of S and of v, updates and stores them with
         # no conv (nor the conv's barrier) between. AHEAD (`state_ahead`, with V_FIRST): S loaded one block ahead,
         # the first block with the prologue's loads, block i + 1 while block i is updated (two blocks live). HOIST
-        # (`hoist`, with V_FIRST): every load before the loop (the reset flags, g, beta, the three convs' tails,
-        # inputs and weights; with AHEAD the first block of S) is issued first, then the convs and norms, one
-        # barrier, the three tail shifts: one round trip to memory where the convs in turn wait for theirs in a
-        # chain (the compiler moves no load across a barrier).
+        # (`hoist`, only with CONV and V_FIRST: the launch folds them in): every load before the loop (the reset
+        # flags, g, beta, the three convs' tails, inputs and weights; with AHEAD the first block of S) is issued
+        # first, then the convs and norms, one barrier, the three tail shifts: one round trip to memory where the
+        # convs in turn wait for theirs in a chain (the compiler moves no load across a barrier).
         bh = tl.program_id(0).to(tl.int64)
         b = bh // H
         h = bh % H
         kk = tl.arange(0, BK)
         mk = kk < K
         s_row = state_ptr + bh * K * V + kk[:, None] * V
-        if CONV and V_FIRST and HOIST:
+        if HOIST:
             g = tl.load(g_ptr + bh * K + kk, mask=mk, other=0.0)
             beta = tl.load(beta_ptr + bh).to(tl.float32)
             keep = tl.load(reset_ptr + b * W + (W - 1)) == 0
@@ -169,7 +169,7 @@ if triton is not None:
                 keep = True
             q = tl.load(q_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32)
-        if not (CONV and V_FIRST and HOIST):
+        if not HOIST:
             decay = tl.exp(tl.load(g_ptr + bh * K + kk, mask=mk, other=0.0).to(tl.float32))
             beta = tl.load(beta_ptr + bh).to(tl.float32)
         qs = scale * q
@@ -245,7 +245,7 @@ def _launch(q, k, v, weights, tails, reset, g, beta, state, o, *, scale, eps, W,
             W=W, BW=triton.next_power_of_2(W), BK=BK, BV=BV, NB=NB, CONV=conv, HAS_RESET=reset is not None,
             DT=getattr(tl, _DT[q.dtype]), EMULATE=interpreted(), STREAM=STREAM if stream is None else stream,
             STAGES=stages, V_FIRST=v_first and conv, BVA=max(16, triton.next_power_of_2(V)), AHEAD=state_ahead,
-            HOIST=hoist, num_warps=warps, **cap)
+            HOIST=hoist and v_first and conv, num_warps=warps, **cap)
 
 
 def kda_decode_step_triton(q_raw: Tensor, k_raw: Tensor, v_raw: Tensor, q_weight: Tensor, k_weight: Tensor,

@@ -474,7 +474,8 @@ def kda_decode():
         conv = v_first is not None
         consts = dict(W=W if conv else 1, BW=triton.next_power_of_2(W if conv else 1), BK=BK, BV=BV,
                       NB=KD // BV if conv else 1, CONV=conv, HAS_RESET=conv, DT=triton.language.bfloat16,
-                      EMULATE=False, STREAM=False, STAGES=1, V_FIRST=bool(v_first), BVA=KD, AHEAD=ahead, HOIST=hoist)
+                      EMULATE=False, STREAM=False, STAGES=1, V_FIRST=bool(v_first), BVA=KD, AHEAD=ahead,
+                      HOIST=bool(hoist and v_first))
         what = ("in-place step" if not conv else "fused step" + ("" if v_first else ", v's conv in the loop")
                 + ("" if hoist or not v_first else ", the convs in turn")
                 + ("" if ahead or not v_first else ", no state ahead"))
